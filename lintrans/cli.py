@@ -1,0 +1,64 @@
+"""`lintrans` / `python -m lintrans`: one entry point, one subcommand per job.
+
+Each subcommand lives in its own module exposing ``configure(parser)`` and ``run(args) -> int``;
+modules are imported only when their subcommand runs, so ``--help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("lintrans.bench.demo", "the main job: quick benchmark profile with a headline"),
+    "bench": ("lintrans.bench.cli", "benchmarks: attention ops, training step, generation (JSON + PNG)"),
+    "tune": ("lintrans.bench.tune", "pick the fastest chunk size by measurement and cache it"),
+    "cost": ("lintrans.bench.cost_cli", "parameters, FLOPs, state vs KV-cache bytes, arithmetic intensity, MFU"),
+    "train": ("lintrans.train.cli", "train a GPT (softmax or linear attention) from text or token files"),
+    "sample": ("lintrans.models.sample_cli", "generate text from a checkpoint or a Hugging Face GPT-2 folder"),
+    "experiment": ("lintrans.experiments.cli", "in-context regression, associative recall, learning curves"),
+}
+
+
+def _load(name: str):
+    module, _ = SUBCOMMANDS[name]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            return None
+        raise
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lintrans", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if only == name:
+            mod = _load(name)
+            if mod is not None:
+                mod.configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in SUBCOMMANDS:
+        command = None
+    parser = build_parser(only=command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    mod = _load(args.command)
+    if mod is None:
+        print(f"lintrans {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Argument checks shared by every op: clear errors instead of silent broadcasts."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, x, ndim: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}"
+        )
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
+
+
+def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, int, int]:
+    """Validate q, k: [B, T, H, Dk] and v: [B, T, H, Dv]; returns (B, T, H, Dk, Dv)."""
+    ndim = layout.count(",") + 1
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim, layout)
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape {layout}, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"v must match q in every dimension but the last ({layout}), "
+            f"got q {tuple(q.shape)} and v {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if ndim == 4:
+        B, T, H, Dk = q.shape
+        if T < 1:
+            raise ValueError("sequence length T must be at least 1")
+        return B, T, H, Dk, v.shape[-1]
+    B, H, Dk = q.shape
+    return B, 1, H, Dk, v.shape[-1]
+
+
+def check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
