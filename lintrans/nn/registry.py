@@ -1,0 +1,50 @@
+"""Attention mechanisms by name, for the GPT config's ``attention`` field.
+
+Every attention layer is an ``nn.Module`` built as ``cls(config)`` from a ``GPTConfig`` (it reads
+n_embd, n_head, n_kv_head, bias, dropout, block_size and ``config.attention_options``) with
+
+    forward(x [B, T, C], cache=None, use_cache=False) -> (y [B, T, C], new_cache or None)
+
+``cache`` is whatever the layer returned for the tokens before ``x`` (a KV cache, a recurrent
+state, a ring buffer); with ``use_cache=True`` the layer returns the cache covering ``x`` too, so
+prefill is one call on the prompt and decoding is one call per token. A layer that cannot decode
+incrementally raises NotImplementedError naming itself when ``use_cache=True``.
+"""
+from __future__ import annotations
+
+import importlib
+
+_REGISTRY: dict[str, type] = {}
+# modules that register mechanisms when imported; imported lazily so the core stays light
+_PROVIDERS = ("lintrans.nn.attention", "lintrans.nn.aft", "lintrans.nn.sliding_window")
+
+
+def register_attention(name: str):
+    def deco(cls):
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"attention {name!r} registered twice")
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_providers() -> None:
+    for mod in _PROVIDERS:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def available_attention() -> list[str]:
+    _load_providers()
+    return sorted(_REGISTRY)
+
+
+def get_attention(name: str) -> type:
+    _load_providers()
+    if name not in _REGISTRY:
+        raise ValueError(f"attention must be one of {sorted(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name]
