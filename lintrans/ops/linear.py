@@ -112,11 +112,13 @@ FORMS: dict[str, Callable] = {
 }
 
 
-def _check_state(initial_state, B: int, H: int, Fd: int, Dv: int, dtype: torch.dtype, device) -> State:
+def _check_state(
+    initial_state, B: int, H: int, Fd: int, Dv: int, dtype: torch.dtype, device, arg: str = "initial_state"
+) -> State:
     if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
-        raise TypeError("initial_state must be a pair (S [B, H, F, Dv], z [B, H, F]) or None")
+        raise TypeError(f"{arg} must be a pair (S [B, H, F, Dv], z [B, H, F]) or None")
     S, z = initial_state
-    for name, x, shape in (("initial_state S", S, (B, H, Fd, Dv)), ("initial_state z", z, (B, H, Fd))):
+    for name, x, shape in ((f"{arg} S", S, (B, H, Fd, Dv)), (f"{arg} z", z, (B, H, Fd))):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if tuple(x.shape) != shape:
@@ -226,7 +228,7 @@ def linear_attention_step(
         S = torch.zeros(B, H, Fd, Dv, dtype=dtype, device=q.device)
         z = torch.zeros(B, H, Fd, dtype=dtype, device=q.device)
     else:
-        S, z = _check_state(state, B, H, Fd, Dv, dtype, q.device)
+        S, z = _check_state(state, B, H, Fd, Dv, dtype, q.device, arg="state")
     S = S + fk[..., :, None] * v.to(dtype)[..., None, :]
     z = z + fk
     num = torch.einsum("bhf,bhfe->bhe", fq, S)
