@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ._validate import check_positive_int
+
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -33,24 +35,70 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return F.softplus(x)
 
 
+def squared_features(x: torch.Tensor, *, symmetric: bool = True) -> torch.Tensor:
+    """Features psi with psi(x) . psi(y) = (x . y)^2: [..., d] -> [..., d(d+1)/2] (or [..., d^2]).
+
+    symmetric=True keeps the d(d+1)/2 distinct products x_a x_b (a <= b) with the off-diagonal ones
+    scaled by sqrt(2): the same inner product as all d^2 products with half the feature dimension.
+    """
+    d = x.shape[-1]
+    if not symmetric:
+        return (x[..., :, None] * x[..., None, :]).flatten(-2)  # [..., d*d]
+    iu, ju = torch.triu_indices(d, d, device=x.device)
+    # built in x's dtype: a float32 sqrt(2) would cost float64 inputs 8 digits
+    weight = torch.full(iu.shape, math.sqrt(2.0), dtype=x.dtype, device=x.device)
+    weight[iu == ju] = 1.0
+    return x[..., iu] * x[..., ju] * weight  # [..., d(d+1)/2]
+
+
+def squared_feature_dim(d: int, *, symmetric: bool = True) -> int:
+    return d * (d + 1) // 2 if symmetric else d * d
+
+
 def based(x: torch.Tensor) -> torch.Tensor:
     """Second-order Taylor map (Based): phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / sqrt(d).
 
-    Uses the d(d+1)/2 distinct products x_a x_b (a <= b), off-diagonal ones scaled by sqrt(2),
-    instead of all d^2: the same inner product with half the feature dimension.
+    Features [1, x / d^(1/4), psi(x) / sqrt(2d)] with psi the symmetric squared features:
+    F = 1 + d + d(d+1)/2 instead of 1 + d + d^2.
     """
     d = x.shape[-1]
-    iu, ju = torch.triu_indices(d, d, device=x.device)
-    weight = torch.where(iu == ju, 1.0, math.sqrt(2.0)).to(x.dtype)
-    # (q.k)^2 / (2d) = sum_{a<=b} w_ab^2 q_a q_b k_a k_b / (2d)
-    second = x[..., iu] * x[..., ju] * (weight / math.sqrt(2.0 * d))
-    first = x / d ** 0.25
     ones = torch.ones_like(x[..., :1])
+    first = x / d**0.25  # first . first = q.k / sqrt(d) = s
+    second = squared_features(x) / math.sqrt(2.0 * d)  # second . second = (q.k)^2 / (2d) = s^2 / 2
     return torch.cat([ones, first, second], dim=-1)
 
 
 def based_feature_dim(d: int) -> int:
-    return 1 + d + d * (d + 1) // 2
+    return 1 + d + squared_feature_dim(d)
+
+
+_EXPANDED_DIM = {
+    "based": based_feature_dim,
+    "rebased": squared_feature_dim,
+    "rebased_full": lambda p: squared_feature_dim(p, symmetric=False),
+}
+
+
+def feature_dim_for(kind: str, head_dim: int, n_head: int = 1) -> int:
+    """The q/k projection width (all heads together) that keeps each head's expanded feature
+    dimension closest to ``head_dim`` (the d-hat of seed 004).
+
+    Per head it is the p >= 1 minimising |F(p) - head_dim|, ties to the smaller p, with F(p) =
+    1 + p + p(p+1)/2 for ``based``, p(p+1)/2 for ``rebased`` (symmetric products, as ``ReBased``
+    by default) and p^2 for ``rebased_full``; the result is ``n_head * p``.
+    Example: head_dim=64 -> based 10 (F=66), rebased 11 (F=66), rebased_full 8 (F=64).
+    """
+    if kind not in _EXPANDED_DIM:
+        raise ValueError(f"kind must be one of {sorted(_EXPANDED_DIM)}, got {kind!r}")
+    check_positive_int("head_dim", head_dim)
+    check_positive_int("n_head", n_head)
+    expanded = _EXPANDED_DIM[kind]
+    p = 1
+    while expanded(p + 1) <= head_dim:  # F grows with p: the best p is the last below or the first above
+        p += 1
+    if abs(expanded(p + 1) - head_dim) < abs(expanded(p) - head_dim):
+        p += 1
+    return n_head * p
 
 
 FEATURE_MAPS: dict[str, FeatureMap] = {
