@@ -1,0 +1,96 @@
+"""GPTConfig: every architectural choice of the model, serialisable to JSON."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MLP_KINDS = ("gelu", "swiglu")
+GELU_APPROXIMATIONS = ("tanh", "none")
+POS_EMBEDDINGS = ("learned", "none")
+
+
+def _check_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"GPTConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"GPTConfig.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class GPTConfig:
+    """GPT-2 / nanoGPT hyper-parameters plus the attention mechanism and a few modern options.
+
+    attention: a name from ``lintrans.nn.available_attention()`` (``softmax``, ``linear``, ...);
+    attention_options: that mechanism's options (for ``linear``: feature_map, feature_map_options,
+    form, chunk_size, normalize, scale, eps). n_kv_head: key/value heads for grouped-query (None =
+    n_head, 1 = multi-query). gelu_approximate: ``tanh`` is GPT-2's GELU (Hugging Face parity),
+    ``none`` the exact erf GELU nanoGPT uses. pos_embedding ``none`` drops learned positions
+    (then context length is not limited by block_size for mechanisms that do not need it).
+    """
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = 50304
+    bias: bool = True
+    dropout: float = 0.0
+    attention: str = "softmax"
+    attention_options: dict = field(default_factory=dict)
+    n_kv_head: Optional[int] = None
+    mlp: str = "gelu"
+    gelu_approximate: str = "tanh"
+    gradient_checkpointing: bool = False
+    pos_embedding: str = "learned"
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            _check_int(name, getattr(self, name))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_kv_head is not None:
+            _check_int("n_kv_head", self.n_kv_head)
+            if self.n_head % self.n_kv_head:
+                raise ValueError(
+                    f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
+                )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        for name in ("bias", "gradient_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.attention, str):
+            raise TypeError(f"GPTConfig.attention must be a str, got {self.attention!r}")
+        if not isinstance(self.attention_options, dict):
+            raise TypeError(f"GPTConfig.attention_options must be a dict, got {self.attention_options!r}")
+        _check_choice("mlp", self.mlp, MLP_KINDS)
+        _check_choice("gelu_approximate", self.gelu_approximate, GELU_APPROXIMATIONS)
+        _check_choice("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GPTConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"GPTConfig.from_dict needs a dict, got {type(d).__name__}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown GPTConfig keys {unknown}; allowed keys are {allowed}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "GPTConfig":
+        return self.from_dict({**self.to_dict(), **changes})

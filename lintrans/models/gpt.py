@@ -1,0 +1,260 @@
+"""GPT-2 as in nanoGPT (pre-LayerNorm blocks, learned positions, tied embeddings, GELU MLP, scaled
+init of residual projections) with the attention layer chosen by name from the registry."""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lintrans.nn.registry import get_attention
+
+from .config import GPTConfig
+
+
+class MLP(nn.Module):
+    """GPT-2's 4x GELU MLP, or a gated SwiGLU one with about the same parameter count."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.kind = config.mlp
+        if config.mlp == "gelu":
+            hidden = 4 * config.n_embd
+            self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+            self.act = nn.GELU(approximate=config.gelu_approximate)
+        else:  # swiglu: 2/3 of 4x so that three matrices cost what two did, rounded to 8
+            hidden = 8 * ((8 * config.n_embd // 3 + 7) // 8)
+            self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and value
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        if self.kind == "gelu":
+            h = self.act(h)
+        else:
+            gate, value = h.chunk(2, dim=-1)
+            h = F.silu(gate) * value
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = get_attention(config.attention)(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
+        a, cache = self.attn(self.ln_1(x), cache=cache, use_cache=use_cache)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), cache
+
+
+class GenerationCache:
+    """Per-layer caches (KV cache, recurrent state, ...) and how many tokens they cover."""
+
+    def __init__(self, n_layer: int):
+        self.layers: list = [None] * n_layer
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self.layers)
+
+
+def cache_nbytes(obj) -> int:
+    """Bytes of tensors held by a cache: tensors, sequences, dicts, objects with ``nbytes()``."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if hasattr(obj, "nbytes") and callable(obj.nbytes):
+        return int(obj.nbytes())
+    if isinstance(obj, dict):
+        return sum(cache_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(cache_nbytes(v) for v in obj)
+    return sum(cache_nbytes(v) for v in vars(obj).values()) if hasattr(obj, "__dict__") else 0
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        get_attention(config.attention)  # unknown name -> ValueError listing the registered ones
+        self.config = config
+        layers = dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        )
+        if config.pos_embedding == "learned":
+            layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer = nn.ModuleDict(layers)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        # residual projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position embedding (nanoGPT's convention:
+        the token embedding counts, being the output layer too)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _check_idx(self, idx, past: int, check_ids: bool = True) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            got = getattr(idx, "dtype", type(idx).__name__)
+            raise TypeError(f"idx must be an int64 (or int32) tensor of token ids [B, T], got {got}")
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must have shape [B, T] with T >= 1, got {tuple(idx.shape)}")
+        T = idx.shape[1]
+        if self.config.pos_embedding == "learned" and past + T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {past + T} exceeds block_size {self.config.block_size} "
+                "(learned position embeddings cover positions 0..block_size-1)"
+            )
+        if check_ids and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {self.config.vocab_size - 1}] (vocab_size {self.config.vocab_size}), "
+                f"got min {int(idx.min())} max {int(idx.max())}"
+            )
+
+    def _hidden(self, idx: torch.Tensor, cache: Optional[GenerationCache], check_ids: bool = True) -> torch.Tensor:
+        past = 0 if cache is None else cache.length
+        self._check_idx(idx, past, check_ids)
+        T = idx.shape[1]
+        x = self.transformer.wte(idx)  # [B,T,C]
+        if "wpe" in self.transformer:
+            pos = torch.arange(past, past + T, device=idx.device)
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
+        for i, block in enumerate(self.transformer.h):
+            if cache is not None:
+                x, cache.layers[i] = block(x, cache=cache.layers[i], use_cache=True)
+            elif self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, _ = checkpoint(block, x, use_reentrant=False)
+            else:
+                x, _ = block(x)
+        if cache is not None:
+            cache.length = past + T
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        """idx [B, T] token ids -> (logits [B, T, V] for every position, mean cross-entropy or None).
+
+        Targets equal to -1 are ignored in the loss (nanoGPT's convention for padding).
+        """
+        logits = self.lm_head(self._hidden(idx, None))  # [B,T,V]
+        loss = None
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
+                raise ValueError(
+                    f"targets must be a tensor of the same shape as idx {tuple(idx.shape)}, "
+                    f"got {tuple(getattr(targets, 'shape', ()))}"
+                )
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def forward_cached(
+        self, idx: torch.Tensor, cache: Optional[GenerationCache] = None, last_only: bool = False,
+        check_ids: bool = True,
+    ):
+        """Incremental forward for generation: idx [B, T] continues the tokens ``cache`` covers.
+
+        Returns (logits [B, T or 1, V], cache); the cache is updated in place and also returned.
+        A prompt is one call (prefill); decoding is one call per token. ``check_ids=False`` skips
+        the token-range check (a device sync) for ids the model sampled itself.
+        """
+        if cache is None:
+            cache = GenerationCache(self.config.n_layer)
+        h = self._hidden(idx, cache, check_ids)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h), cache
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate_stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: Optional[int] = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield each new token [B, 1] as it is produced (prefill once, then one step per token)."""
+        from .generate import check_sampling, sample_next
+
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+        if self.config.pos_embedding == "learned" and idx.shape[-1] + max_new_tokens - 1 > self.config.block_size:
+            raise ValueError(
+                f"prompt length {idx.shape[-1]} + max_new_tokens {max_new_tokens} needs "
+                f"{idx.shape[-1] + max_new_tokens - 1} positions but block_size is {self.config.block_size} "
+                "(learned position embeddings)"
+            )
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=idx.device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            logits, cache = self.forward_cached(idx, None, last_only=True)
+            for i in range(max_new_tokens):
+                nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # [B,1]
+                yield nxt
+                if i + 1 < max_new_tokens:
+                    logits, cache = self.forward_cached(nxt, cache, check_ids=False)
+        finally:
+            self.train(was_training)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: Optional[int] = None,
+    ) -> torch.Tensor:
+        """idx [B, T] -> [B, T + max_new_tokens]. Greedy when temperature is 0."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, seed))
+        return torch.cat([idx, *new], dim=1)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = "gpt2", **overrides) -> "GPT":
+        """GPT-2 weights from a local folder or the local Hugging Face cache (never downloads).
+
+        overrides may change what keeps every weight valid: attention, attention_options (e.g.
+        ``attention="linear"`` to linearise), dropout, gradient_checkpointing, gelu_approximate.
+        """
+        from .hf import from_pretrained
+
+        return from_pretrained(name_or_path, **overrides)

@@ -1,0 +1,348 @@
+"""Weights in and out: Hugging Face GPT-2 folders, nanoGPT checkpoints, lintrans checkpoint folders.
+
+Nothing here downloads. Files are read with safetensors or ``torch.load(weights_only=True)`` and
+written atomically (temporary file + rename).
+
+Formats:
+- Hugging Face GPT-2: ``config.json`` (model_type gpt2) + ``model.safetensors`` or
+  ``pytorch_model.bin``; Conv1D weights are stored [in, out], so they are transposed.
+- nanoGPT: a ``ckpt.pt`` dict with ``model`` (state dict, maybe ``_orig_mod.``-prefixed from
+  torch.compile) and ``model_args``; nanoGPT uses the exact erf GELU.
+- lintrans: ``config.json`` holding the GPTConfig dict (directly or under ``"model"``) +
+  ``model.safetensors`` with our parameter names.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from .config import GPTConfig
+from .gpt import GPT
+
+# weights stored by HF's Conv1D as [in, out]; ours are nn.Linear [out, in]
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")
+_TIED = ("transformer.wte.weight", "lm_head.weight")
+# overrides that leave every pretrained weight meaningful
+WEIGHT_PRESERVING = ("attention", "attention_options", "dropout", "gradient_checkpointing", "gelu_approximate")
+_HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+
+# -- state dict checks -----------------------------------------------------------------------
+
+def load_state_dict_checked(model: GPT, state: dict, allow_missing: Iterable[str] = (), source: str = "checkpoint"):
+    """Copy ``state`` into ``model``, failing with a list of what differs (keys, shapes).
+
+    The tied embedding may be stored under either name. ``allow_missing``: model keys that may
+    be absent and keep their fresh initialisation (new parameters of a swapped attention layer).
+    """
+    prefix = "_orig_mod."  # torch.compile's wrapper
+    state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+    for a, b in (_TIED, _TIED[::-1]):
+        if a not in state and b in state:
+            state[a] = state[b]
+    expected = model.state_dict()
+    allow = set(allow_missing)
+    missing = [k for k in expected if k not in state and k not in allow]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [
+        f"{k}: {tuple(state[k].shape)} in {source}, {tuple(v.shape)} in model"
+        for k, v in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):
+            if items:
+                more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
+                parts.append(f"{label}: {items[:5]}{more}")
+        raise ValueError(f"{source} does not match the model config: " + "; ".join(parts))
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    return model
+
+
+def _new_attention_keys(model: GPT) -> list[str]:
+    """Parameters a swapped-in attention layer adds beyond the shared c_attn / c_proj."""
+    return [
+        k for k in model.state_dict()
+        if ".attn." in k and not any(p in k for p in (".attn.c_attn.", ".attn.c_proj."))
+    ]
+
+
+def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: str = "softmax") -> GPT:
+    model = GPT(config)
+    allow = _new_attention_keys(model) if config.attention != pretrained_attention else ()
+    return load_state_dict_checked(model, state, allow, source)
+
+
+def _apply_overrides(config: GPTConfig, overrides: dict) -> GPTConfig:
+    bad = sorted(set(overrides) - set(WEIGHT_PRESERVING))
+    if bad:
+        raise ValueError(
+            f"cannot override {bad} when loading weights (the shapes would change); allowed: {list(WEIGHT_PRESERVING)}"
+        )
+    return config.replace(**overrides) if overrides else config
+
+
+def _read_tensors(path: Path) -> dict:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} does not hold a state dict (got {type(obj).__name__})")
+    return obj
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+
+    _atomic_write(path, write)
+
+
+def _write_safetensors(path: Path, state: dict, metadata: Optional[dict] = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def _weights_file(folder: Path) -> Path:
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{folder} has no model.safetensors or pytorch_model.bin")
+
+
+# -- Hugging Face GPT-2 ---------------------------------------------------------------------
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"only GPT-2 Hugging Face models are supported, got model_type {hf.get('model_type')!r}")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _HF_GELU:
+        raise ValueError(f"activation_function must be one of {sorted(_HF_GELU)}, got {act!r}")
+    n_embd = hf.get("n_embd", 768)
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        raise ValueError(f"n_inner must be 4 * n_embd ({4 * n_embd}), got {hf['n_inner']}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise ValueError(f"Hugging Face option {flag}=True is not supported")
+    if not hf.get("scale_attn_weights", True):
+        raise ValueError("Hugging Face option scale_attn_weights=False is not supported")
+    if not math.isclose(hf.get("layer_norm_epsilon", 1e-5), 1e-5):
+        raise ValueError(f"layer_norm_epsilon must be 1e-5, got {hf['layer_norm_epsilon']}")
+    return GPTConfig(
+        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd,
+        block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), vocab_size=hf.get("vocab_size", 50257),
+        bias=True, dropout=0.0, gelu_approximate=_HF_GELU[act],
+    )
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    problems = []
+    if config.attention != "softmax":
+        problems.append(f"attention={config.attention!r}")
+    if config.kv_heads != config.n_head:
+        problems.append(f"n_kv_head={config.n_kv_head}")
+    if config.mlp != "gelu":
+        problems.append(f"mlp={config.mlp!r}")
+    if not config.bias:
+        problems.append("bias=False")
+    if config.pos_embedding != "learned":
+        problems.append(f"pos_embedding={config.pos_embedding!r}")
+    if problems:
+        raise ValueError(
+            f"the Hugging Face GPT-2 format cannot express {', '.join(problems)}; save with save_model() instead"
+        )
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
+        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+        "activation_function": "gelu_new" if config.gelu_approximate == "tanh" else "gelu",
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "tie_word_embeddings": True,
+        "bos_token_id": 50256, "eos_token_id": 50256,
+    }
+
+
+def state_dict_from_hf(hf_state: dict) -> dict:
+    """Hugging Face GPT-2 (GPT2LMHeadModel or GPT2Model) names and layouts -> ours."""
+    out = {}
+    for k, v in hf_state.items():
+        if k.endswith(_HF_BUFFERS):
+            continue
+        if not k.startswith(("transformer.", "lm_head.")):
+            k = "transformer." + k  # saved from GPT2Model
+        if k.endswith(_CONV1D):
+            v = v.t()
+        out[k] = v.contiguous()
+    return out
+
+
+def state_dict_to_hf(model: GPT) -> dict:
+    """Our weights as GPT2LMHeadModel stores them (lm_head omitted: it is the tied wte)."""
+    config_to_hf(model.config)
+    return {
+        k: (v.t() if k.endswith(_CONV1D) else v)
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
+
+
+def save_hf(model: GPT, folder, safe_serialization: bool = True) -> Path:
+    """Write a folder ``transformers.GPT2LMHeadModel.from_pretrained`` (and load_model) can read."""
+    folder = Path(folder)
+    hf_config = config_to_hf(model.config)
+    state = state_dict_to_hf(model)
+    if safe_serialization:
+        _write_safetensors(folder / "model.safetensors", state, metadata={"format": "pt"})
+    else:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        _atomic_write(folder / "pytorch_model.bin", lambda tmp: torch.save(tensors, tmp))
+    _write_json(folder / "config.json", hf_config)
+    return folder
+
+
+def load_hf(folder, **overrides) -> GPT:
+    folder = Path(folder)
+    config = _apply_overrides(config_from_hf(json.loads((folder / "config.json").read_text())), overrides)
+    state = state_dict_from_hf(_read_tensors(_weights_file(folder)))
+    return _build(config, state, f"Hugging Face weights in {folder}")
+
+
+# -- nanoGPT ----------------------------------------------------------------------------------
+
+def load_nanogpt(path, **overrides) -> GPT:
+    """A nanoGPT ``ckpt.pt`` ({'model': state dict, 'model_args': {...}, ...}), read with weights_only."""
+    path = Path(path)
+    ckpt = torch.load(str(path), map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise ValueError(f"{path} is not a nanoGPT checkpoint (a dict with 'model' and 'model_args')")
+    args = dict(ckpt["model_args"])
+    args.setdefault("gelu_approximate", "none")  # nanoGPT's nn.GELU() is the exact erf one
+    config = _apply_overrides(GPTConfig.from_dict(args), overrides)
+    state = {
+        k: v for k, v in ckpt["model"].items()
+        if not k.endswith(".attn.bias")  # causal-mask buffer of nanoGPT's non-flash path
+    }
+    return _build(config, state, f"nanoGPT checkpoint {path}")
+
+
+# -- lintrans checkpoint folders -----------------------------------------------------------
+
+def _lintrans_config(cfg: dict) -> Optional[dict]:
+    """The GPTConfig dict inside a lintrans config.json, or None if it is not one."""
+    for key in ("model", "model_config", "gpt_config"):
+        if isinstance(cfg.get(key), dict):
+            return cfg[key]
+    return cfg if "n_layer" in cfg and "model_type" not in cfg else None
+
+
+def save_model(model: GPT, folder, extra_config: Optional[dict] = None) -> Path:
+    """Write ``folder/model.safetensors`` + ``folder/config.json`` ({"model": GPTConfig dict, ...extra})."""
+    folder = Path(folder)
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model saves its plain names
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    _write_safetensors(folder / "model.safetensors", state, metadata={"format": "pt", "lintrans": "gpt"})
+    _write_json(folder / "config.json", {**(extra_config or {}), "model": model.config.to_dict()})
+    return folder
+
+
+def load_model(path, **overrides) -> GPT:
+    """Load a lintrans checkpoint folder, a Hugging Face GPT-2 folder or a nanoGPT ``.pt`` file."""
+    path = Path(path)
+    if path.is_file():
+        if path.name == "config.json":
+            return load_model(path.parent, **overrides)
+        if path.suffix in (".pt", ".pth", ".ckpt"):
+            return load_nanogpt(path, **overrides)
+        raise ValueError(f"{path}: expected a checkpoint folder or a nanoGPT .pt file")
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not (path / "config.json").is_file():
+        if (path / "ckpt.pt").is_file():
+            return load_nanogpt(path / "ckpt.pt", **overrides)
+        raise FileNotFoundError(f"{path} has neither config.json (lintrans / Hugging Face) nor ckpt.pt (nanoGPT)")
+    cfg = json.loads((path / "config.json").read_text())
+    inner = _lintrans_config(cfg)
+    if inner is None:
+        return load_hf(path, **overrides)
+    config = GPTConfig.from_dict(inner)
+    saved_attention = config.attention
+    config = _apply_overrides(config, overrides)
+    return _build(config, _read_tensors(_weights_file(path)), f"lintrans checkpoint {path}", saved_attention)
+
+
+# -- the local Hugging Face cache ----------------------------------------------------------
+
+def hf_cache_dirs() -> list[Path]:
+    """Where the Hugging Face hub cache is, by the same variables huggingface_hub reads."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"])]
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return [Path(os.environ["HUGGINGFACE_HUB_CACHE"])]
+    if os.environ.get("HF_HOME"):
+        return [Path(os.environ["HF_HOME"]) / "hub"]
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return [Path(xdg) / "huggingface" / "hub"]
+
+
+def find_in_hf_cache(name: str) -> tuple[Optional[Path], list[Path]]:
+    """(snapshot folder holding config.json and weights, or None; the folders looked in)."""
+    looked = []
+    for cache in hf_cache_dirs():
+        repo = cache / ("models--" + name.replace("/", "--"))
+        looked.append(repo / "snapshots")
+        snaps = []
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            snaps.append(repo / "snapshots" / ref.read_text().strip())
+        if (repo / "snapshots").is_dir():
+            snaps += sorted((repo / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        for snap in snaps:
+            if (snap / "config.json").is_file() and any(
+                (snap / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")
+            ):
+                return snap, looked
+    return None, looked
+
+
+def from_pretrained(name_or_path: str = "gpt2", **overrides) -> GPT:
+    """A local folder/file, or a model name found in the local Hugging Face cache; never downloads."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
+    if Path(name_or_path).exists():
+        return load_model(name_or_path, **overrides)
+    snap, looked = find_in_hf_cache(str(name_or_path))
+    if snap is None:
+        raise FileNotFoundError(
+            f"{name_or_path!r} is not a local path and is not in the Hugging Face cache; looked in "
+            f"{[str(p) for p in looked]} (set HF_HUB_CACHE or HF_HOME to point elsewhere). "
+            "lintrans never downloads: fetch it once elsewhere (e.g. `huggingface-cli download "
+            f"{name_or_path}`) or pass a folder with config.json and model.safetensors."
+        )
+    return load_hf(snap, **overrides)

@@ -1,0 +1,234 @@
+"""Softmax and linear attention layers for the GPT, registered as ``softmax`` and ``linear``.
+
+Both share nanoGPT's parameters (``c_attn`` producing q, k, v in one matmul, ``c_proj``), so a
+pretrained softmax model can be switched to linear attention without touching its weights.
+With ``n_kv_head < n_head`` (grouped-query) ``c_attn`` is narrower: n_head query heads and
+n_kv_head key/value heads, each key/value head shared by n_head // n_kv_head query heads.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lintrans.ops._validate import check_positive_int
+from lintrans.ops.feature_maps import FEATURE_MAPS
+from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
+
+from .registry import register_attention
+
+
+class QKVAttention(nn.Module):
+    """The projections every q/k/v mechanism shares: x [B,T,C] -> q [B,T,H,D], k, v [B,T,Hkv,D]."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads
+        self.head_dim = config.n_embd // config.n_head
+        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def qkv(self, x: torch.Tensor):
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, k, v = self.c_attn(x).split(
+            [self.n_head * D, self.n_kv_head * D, self.n_kv_head * D], dim=2
+        )
+        return (
+            q.view(B, T, self.n_head, D),
+            k.view(B, T, self.n_kv_head, D),
+            v.view(B, T, self.n_kv_head, D),
+        )
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        B, T = o.shape[:2]
+        return self.resid_dropout(self.c_proj(o.reshape(B, T, -1)))  # [B,T,C]
+
+    def repeat_kv(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        groups = self.n_head // self.n_kv_head
+        return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+
+def _check_options(name: str, options: dict, allowed: dict) -> dict:
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown attention_options {unknown} for {name!r}; allowed: {sorted(allowed)}")
+    return {**allowed, **options}
+
+
+class KVCache:
+    """Keys and values seen so far, [B, Hkv, L, D], in buffers that grow by doubling.
+
+    Appending writes in place (amortised O(1) per token instead of a full copy per token), so a
+    cache must not be shared between two continuations.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self._k, self._v, self.length = k, v, k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        t = k.shape[2]
+        need = self.length + t
+        if need > self._k.shape[2]:
+            cap = max(need, 2 * self._k.shape[2])
+            self._k, self._v = self._grow(self._k, cap), self._grow(self._v, cap)
+        self._k[:, :, self.length : need] = k
+        self._v[:, :, self.length : need] = v
+        self.length = need
+
+    def _grow(self, buf: torch.Tensor, cap: int) -> torch.Tensor:
+        new = buf.new_empty(*buf.shape[:2], cap, buf.shape[3])  # [B,Hkv,cap,D]
+        new[:, :, : self.length] = buf[:, :, : self.length]
+        return new
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:, :, : self.length]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, :, : self.length]
+
+    def nbytes(self) -> int:
+        """Bytes held by the keys and values actually stored (not the spare capacity)."""
+        return (self.k.numel() + self.v.numel()) * self._k.element_size()
+
+
+@register_attention("softmax")
+class SoftmaxAttention(QKVAttention):
+    """Causal scaled dot-product attention (PyTorch SDPA) with a KV cache for decoding."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _check_options("softmax", dict(config.attention_options), {})
+
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False):
+        q, k, v = self.qkv(x)  # [B,T,H,D], [B,T,Hkv,D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H(kv),T,D]
+        T = q.shape[2]
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            if use_cache:
+                cache.append(k, v)
+                k, v = cache.k, cache.v
+            else:
+                k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        elif use_cache:
+            cache = KVCache(k.contiguous(), v.contiguous())
+        # keys [0, past + T); query i (global past + i) sees keys <= past + i
+        mask, causal = None, past == 0 and T > 1
+        if past > 0 and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )  # [B,H,T,D]
+        return self.out(o.transpose(1, 2)), (cache if use_cache else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# feature maps by name: parameter-free ones go straight to the op as a name; learnable or random
+# ones are modules from lintrans.nn.feature_maps, imported lazily (that module may be absent).
+
+# name -> (class name in lintrans.nn.feature_maps, whether q and k must share one module)
+MODULE_FEATURE_MAPS = {"rebased": ("ReBased", False), "hedgehog": ("Hedgehog", False), "performer": ("Performer", True)}
+
+
+def _feature_map_class(name: str):
+    try:
+        mod = importlib.import_module("lintrans.nn.feature_maps")
+    except ModuleNotFoundError as e:
+        if e.name != "lintrans.nn.feature_maps":
+            raise
+        return None
+    return getattr(mod, MODULE_FEATURE_MAPS[name][0], None)
+
+
+def feature_map_names() -> list[str]:
+    return sorted(set(FEATURE_MAPS) | {n for n in MODULE_FEATURE_MAPS if _feature_map_class(n) is not None})
+
+
+def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head: bool, shared_qk):
+    """A name for the op, or (phi_q, phi_k) modules (phi_k None when q and k share phi_q)."""
+    if not isinstance(name, str):
+        raise TypeError(f"attention_options['feature_map'] must be a name, got {name!r}")
+    if name in FEATURE_MAPS:
+        if options:
+            raise ValueError(f"feature map {name!r} takes no feature_map_options, got {sorted(options)}")
+        return name
+    cls = _feature_map_class(name) if name in MODULE_FEATURE_MAPS else None
+    if cls is None:
+        raise ValueError(f"attention_options['feature_map'] must be one of {feature_map_names()}, got {name!r}")
+    must_share = MODULE_FEATURE_MAPS[name][1]
+    if shared_qk is None:
+        shared_qk = must_share
+    if must_share and not shared_qk:
+        raise ValueError(f"feature map {name!r} needs queries and keys to share it: shared_qk must be True")
+    kwargs = dict(options)
+    if per_head and "num_heads" in inspect.signature(cls).parameters:
+        kwargs.setdefault("num_heads", n_head)
+    phi_q = cls(head_dim, **kwargs)
+    return (phi_q, None) if shared_qk else (phi_q, cls(head_dim, **kwargs))
+
+
+@register_attention("linear")
+class LinearAttention(QKVAttention):
+    """Causal linear attention: chunked (or any form) for the prompt, a fixed-size state per token after.
+
+    The cache is the recurrent state (S [B, H, F, D], z [B, H, F]): its size does not depend on
+    how many tokens it summarises.
+    """
+
+    DEFAULTS = {
+        "feature_map": "elu",
+        "feature_map_options": {},  # constructor arguments of a module feature map
+        "per_head": True,  # module feature maps: parameters per head
+        "shared_qk": None,  # module feature maps: one module for q and k (None: the map's default)
+        "form": "chunked",
+        "chunk_size": 64,
+        "normalize": True,
+        "scale": 1.0,
+        "eps": 1e-6,
+    }
+
+    def __init__(self, config):
+        super().__init__(config)
+        opts = _check_options("linear", dict(config.attention_options), self.DEFAULTS)
+        if opts["form"] not in FORMS:
+            raise ValueError(f"attention_options['form'] must be one of {list(FORMS)}, got {opts['form']!r}")
+        check_positive_int("attention_options['chunk_size']", opts["chunk_size"])
+        fm = build_feature_maps(
+            opts["feature_map"], dict(opts["feature_map_options"]), self.head_dim, self.n_head,
+            opts["per_head"], opts["shared_qk"],
+        )
+        # modules become submodules, so their parameters train and are saved
+        self.feature_map_name = fm if isinstance(fm, str) else None
+        if self.feature_map_name is None:
+            self.phi_q, self.phi_k = fm
+        self.form, self.chunk_size = opts["form"], opts["chunk_size"]
+        self.kw = {"normalize": opts["normalize"], "scale": opts["scale"], "eps": opts["eps"]}
+
+    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
+        q, k, v = self.qkv(x)
+        k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,T,H,D]
+        phi = self.feature_map_name
+        if phi is None:
+            phi = self.phi_q if self.phi_k is None else (self.phi_q, self.phi_k)
+        if cache is not None and x.shape[1] == 1:
+            o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], cache, feature_map=phi, **self.kw)
+            o = o[:, None]  # [B,1,H,D]
+        else:
+            o, state = linear_attention(
+                q, k, v, form=self.form, feature_map=phi, chunk_size=self.chunk_size,
+                initial_state=cache, output_final_state=use_cache, **self.kw,
+            )
+        return self.out(o), (state if use_cache else None)

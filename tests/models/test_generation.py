@@ -1,0 +1,153 @@
+import pytest
+import torch
+
+from lintrans.models import GPT, GPTConfig
+from lintrans.models.generate import sample_next
+from lintrans.nn import available_attention
+
+# options that make each mechanism exercise its awkward paths (chunk boundaries inside the prompt)
+OPTIONS = {"linear": {"chunk_size": 4}}
+
+
+def perturbed(model):
+    """Weights far from init so logits are large and decisive, and mistakes show."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+def tiny(attention="softmax", **kw):
+    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=53, attention=attention,
+                attention_options=OPTIONS.get(attention, {}))
+    return GPTConfig(**{**base, **kw})
+
+
+def decode_logits(model, idx, prompt_splits):
+    """Logits of every position computed incrementally: the prompt in pieces, then one token per call."""
+    cache, outs, start = None, [], 0
+    for end in [*prompt_splits, *range(prompt_splits[-1] + 1, idx.shape[1] + 1)]:
+        logits, cache = model.forward_cached(idx[:, start:end], cache)
+        outs.append(logits)
+        start = end
+    return torch.cat(outs, dim=1), cache
+
+
+CASES = [
+    *[(name, {}) for name in available_attention()],
+    ("linear", {"feature_map": "based", "chunk_size": 5}),
+    ("linear", {"feature_map": "softplus", "form": "state_parallel"}),
+    ("linear", {"feature_map": "rebased"}),
+    ("linear", {"feature_map": "hedgehog"}),
+    ("linear", {"feature_map": "performer", "feature_map_options": {"num_features": 16}}),
+]
+
+
+@pytest.mark.parametrize("attention, options", CASES, ids=lambda x: str(x) if x else "default")
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+def test_decoding_equals_one_forward(attention, options, n_kv_head):
+    from lintrans.nn.attention import feature_map_names
+
+    if options.get("feature_map", "elu") not in feature_map_names():
+        pytest.skip(f"feature map {options['feature_map']} not available")
+    cfg = tiny(attention, n_kv_head=n_kv_head)
+    if options:
+        cfg = cfg.replace(attention_options=options)
+    try:
+        model = perturbed(GPT(cfg))
+    except (TypeError, ValueError, NotImplementedError) as e:
+        if n_kv_head is None or "n_kv_head" not in str(e):
+            raise
+        pytest.skip(f"{attention} has no grouped-query support: {e}")
+    idx = torch.randint(0, 53, (2, 23))
+    with torch.no_grad():
+        full, _ = model(idx)
+        try:
+            for splits in ([7], [1], [3, 9]):  # one prefill, a 1-token prompt, a prompt in two calls
+                step, cache = decode_logits(model, idx, splits)
+                assert step.shape == full.shape
+                assert (step - full).abs().max() <= 1e-4, splits
+        except NotImplementedError as e:
+            pytest.skip(f"{attention} does not decode incrementally: {e}")
+    assert cache.length == 23
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_greedy_generate_equals_recomputing_everything(attention):
+    model = perturbed(GPT(tiny(attention)))
+    prompt = torch.randint(0, 53, (2, 5))
+    out = model.generate(prompt, 20, temperature=0)
+    ref = prompt
+    with torch.no_grad():
+        for _ in range(20):  # nanoGPT's way: a full forward for every new token
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+    assert len(set(out[0, 5:].tolist())) > 1  # not a constant sequence: the check has teeth
+
+
+def test_linear_state_size_is_constant():
+    model = GPT(tiny("linear", n_layer=1, n_embd=16, n_head=2, block_size=1024)).eval()
+    sizes = {}
+    with torch.no_grad():
+        logits, cache = model.forward_cached(torch.randint(0, 53, (1, 4)))
+        for t in range(4, 1001):
+            if t in (10, 1000):
+                sizes[t] = cache.nbytes()
+            logits, cache = model.forward_cached(logits[:, -1:].argmax(-1), cache)
+    assert sizes[10] == sizes[1000] > 0
+    # ... while the KV cache grows with the context
+    soft = GPT(tiny("softmax", n_layer=1, n_embd=16, n_head=2, block_size=1024)).eval()
+    with torch.no_grad():
+        _, c10 = soft.forward_cached(torch.randint(0, 53, (1, 10)))
+        _, c100 = soft.forward_cached(torch.randint(0, 53, (1, 100)))
+    assert c100.nbytes() == 10 * c10.nbytes()
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    model = perturbed(GPT(tiny()))
+    prompt = torch.randint(0, 53, (3, 4))
+    a = model.generate(prompt, 15, temperature=1.0, seed=7)
+    b = model.generate(prompt, 15, temperature=1.0, seed=7)
+    c = model.generate(prompt, 15, temperature=1.0, seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = model.generate(prompt, 15, temperature=0)
+    assert torch.equal(model.generate(prompt, 15, temperature=1.3, top_k=1, seed=1), greedy)
+    assert torch.equal(model.generate(prompt, 15, temperature=1.0, top_p=1e-6, seed=1), greedy)
+    streamed = torch.cat([prompt, *model.generate_stream(prompt, 15, seed=7)], dim=1)
+    assert torch.equal(streamed, a)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, 1.0, top_k=2, generator=g).unique().tolist()) == {0, 1}
+    # 0.5 < 0.7 so token 1 is needed; 0.5 + 0.3 >= 0.7 so tokens 2 and 3 are not
+    assert set(sample_next(logits, 1.0, top_p=0.7, generator=g).unique().tolist()) == {0, 1}
+    assert set(sample_next(logits, 1.0, generator=g).unique().tolist()) == {0, 1, 2, 3}
+    freq = (sample_next(logits, 1.0, generator=g) == 0).float().mean().item()
+    assert abs(freq - 0.5) < 0.05
+
+
+def test_generation_restores_training_mode_and_ignores_dropout():
+    model = perturbed(GPT(tiny(dropout=0.5)))
+    model.train()
+    prompt = torch.randint(0, 53, (1, 4))
+    a = model.generate(prompt, 8, temperature=0)
+    assert model.training
+    assert torch.equal(a, model.generate(prompt, 8, temperature=0))
+
+
+def test_generation_bad_input():
+    model = GPT(tiny())
+    prompt = torch.randint(0, 53, (1, 60))
+    with pytest.raises(ValueError, match="block_size is 64"):
+        model.generate(prompt, 6)
+    assert model.generate(prompt, 5, temperature=0).shape == (1, 65)  # the last token needs no position
+    for kw, match in (
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2, temperature=-1), "temperature"),
+        (dict(max_new_tokens=2, top_k=0), "top_k"),
+        (dict(max_new_tokens=2, top_p=1.5), "top_p"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            model.generate(prompt[:, :3], **kw)

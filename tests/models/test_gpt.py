@@ -1,0 +1,160 @@
+import math
+
+import pytest
+import torch
+
+from lintrans.models import GPT, GPTConfig
+
+
+def tiny(**kw):
+    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=61)
+    return GPTConfig(**{**base, **kw})
+
+
+def test_config_round_trip_and_unknown_keys():
+    cfg = tiny(attention="linear", attention_options={"feature_map": "relu", "chunk_size": 8}, n_kv_head=2)
+    assert GPTConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"unknown GPTConfig keys \['n_layers'\]"):
+        GPTConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(n_embd=30), "divisible by n_head"),
+        (dict(n_kv_head=3), "divisible by n_kv_head"),
+        (dict(mlp="relu"), "mlp must be one of"),
+        (dict(gelu_approximate="erf"), "gelu_approximate must be one of"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(n_layer=0), "n_layer"),
+    ],
+)
+def test_config_rejects_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kw)
+
+
+def test_unknown_attention_name_lists_allowed():
+    with pytest.raises(ValueError, match=r"attention must be one of \[.*'linear'.*'softmax'.*\], got 'flash'"):
+        GPT(tiny(attention="flash"))
+
+
+def test_unknown_attention_option():
+    with pytest.raises(ValueError, match=r"unknown attention_options \['chunk'\] for 'linear'"):
+        GPT(tiny(attention="linear", attention_options={"chunk": 4}))
+    with pytest.raises(ValueError, match="feature_map'\\] must be one of"):
+        GPT(tiny(attention="linear", attention_options={"feature_map": "nope"}))
+
+
+def test_forward_shapes_loss_and_names():
+    model = GPT(tiny())
+    idx = torch.randint(0, 61, (3, 17))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 17, 61) and loss is None
+    targets = torch.randint(0, 61, (3, 17))
+    logits, loss = model(idx, targets)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 61), targets.reshape(-1))
+    torch.testing.assert_close(loss, ref)
+    # a fresh model predicts nearly uniformly
+    assert abs(loss.item() - math.log(61)) < 0.3
+    names = set(model.state_dict())
+    for n in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.1.attn.c_attn.weight",
+              "transformer.h.1.attn.c_proj.bias", "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
+              "transformer.h.0.ln_1.weight", "transformer.h.0.ln_2.bias", "transformer.ln_f.weight", "lm_head.weight"):
+        assert n in names
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_ignore_index_in_targets():
+    model = GPT(tiny())
+    idx = torch.randint(0, 61, (2, 9))
+    targets = idx.clone()
+    targets[:, :4] = -1
+    logits, loss = model(idx, targets)
+    ref = torch.nn.functional.cross_entropy(logits[:, 4:].reshape(-1, 61), idx[:, 4:].reshape(-1))
+    torch.testing.assert_close(loss, ref)
+
+
+def test_init_and_param_count_match_nanogpt():
+    cfg = tiny(n_layer=8, n_embd=64, vocab_size=500)
+    model = GPT(cfg)
+    c, L = cfg.n_embd, cfg.n_layer
+    per_block = 4 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
+    assert model.get_num_params() == 500 * c + L * per_block + 2 * c
+    assert model.get_num_params(non_embedding=False) == model.get_num_params() + cfg.block_size * c
+    std = torch.stack([b.attn.c_proj.weight.std() for b in model.transformer.h]).mean()
+    assert abs(std.item() - 0.02 / math.sqrt(2 * L)) < 0.001
+    assert abs(model.transformer.h[0].attn.c_attn.weight.std().item() - 0.02) < 0.002
+    assert model.transformer.h[0].attn.c_attn.bias.abs().max() == 0
+
+
+def test_gqa_shapes_and_swiglu():
+    model = GPT(tiny(n_kv_head=1, mlp="swiglu"))
+    assert model.transformer.h[0].attn.c_attn.weight.shape == ((4 + 2) * 8, 32)
+    logits, _ = model(torch.randint(0, 61, (2, 5)))
+    assert logits.shape == (2, 5, 61)
+    assert model.transformer.h[0].mlp.c_fc.weight.shape[0] == 2 * model.transformer.h[0].mlp.c_proj.weight.shape[1]
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    """GQA with 2 kv heads == MHA whose k, v projections repeat those heads: checks the grouping."""
+    for attention in ("softmax", "linear"):
+        gqa = GPT(tiny(n_kv_head=2, attention=attention))
+        mha = GPT(tiny(attention=attention))
+        sd = gqa.state_dict()
+        for i in range(2):
+            W, b = sd[f"transformer.h.{i}.attn.c_attn.weight"], sd[f"transformer.h.{i}.attn.c_attn.bias"]
+            D = 8
+
+            def expand(x):
+                q, k, v = x.split([32, 2 * D, 2 * D])
+                rep = lambda t: t.reshape(2, D, *t.shape[1:]).repeat_interleave(2, 0).reshape(4 * D, *t.shape[1:])  # noqa: E731
+                return torch.cat([q, rep(k), rep(v)])
+
+            sd[f"transformer.h.{i}.attn.c_attn.weight"], sd[f"transformer.h.{i}.attn.c_attn.bias"] = expand(W), expand(b)
+        mha.load_state_dict(sd)
+        idx = torch.randint(0, 61, (2, 11))
+        torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_gradient_checkpointing_gives_equal_grads(attention, monkeypatch):
+    import lintrans.models.gpt as gpt
+
+    calls = []
+    real = gpt.checkpoint
+    monkeypatch.setattr(gpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(1)
+    a = GPT(tiny(attention=attention))
+    b = GPT(tiny(attention=attention, gradient_checkpointing=True))
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 61, (2, 13))
+    for m in (a, b):
+        m.train()
+        m(idx, idx)[1].backward()
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=n)
+    assert len(calls) == 2  # one checkpointed call per block: b really recomputed
+
+
+def test_bad_idx():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="exceeds block_size 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 60\]"):
+        model(torch.tensor([[1, 61]]))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 60\]"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(TypeError, match="idx must be an int64"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"shape \[B, T\]"):
+        model(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets must be"):
+        model(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_no_position_embedding_allows_longer_context():
+    model = GPT(tiny(pos_embedding="none", attention="linear"))
+    assert "wpe" not in model.transformer
+    logits, _ = model(torch.randint(0, 61, (1, 50)))
+    assert logits.shape == (1, 50, 61)

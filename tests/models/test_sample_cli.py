@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from lintrans.cli import main
+from lintrans.models import GPT, GPTConfig
+from lintrans.models.hf import save_model
+
+
+@pytest.fixture
+def byte_checkpoint(tmp_path):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=257, attention="linear"))
+    return save_model(model, tmp_path / "ckpt"), model
+
+
+def test_sample_streams_the_greedy_continuation(byte_checkpoint, capsys):
+    path, model = byte_checkpoint
+    rc = main(["sample", "--checkpoint", str(path), "--prompt", "ab", "--max-new-tokens", "12",
+               "--temperature", "0", "--tokenizer", "bytes"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    ids = model.generate(torch.tensor([list(b"ab")]), 12, temperature=0)[0].tolist()
+    expected = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    assert out == expected + "\n"
+
+
+def test_sample_is_seeded(byte_checkpoint, capsys):
+    path, _ = byte_checkpoint
+    args = ["sample", "--checkpoint", str(path), "--prompt", "x", "--max-new-tokens", "8", "--seed", "3",
+            "--top-k", "50", "--top-p", "0.9"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_sample_bad_input(byte_checkpoint, tmp_path, capsys):
+    path, _ = byte_checkpoint
+    assert main(["sample", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(path), "--tokenizer", "gpt2", "--prompt", "hi"]) == 2
+    assert "tokenizer 'gpt2' has 50257 tokens" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "200", "--prompt", "x"]) == 2
+    assert "block_size is 64" in capsys.readouterr().err
+
+
+def test_sample_uses_the_tokenizer_the_checkpoint_records(tmp_path, capsys):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=300))
+    save_model(model, tmp_path, extra_config={"tokenizer": "bytes"})
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    ids = model.generate(torch.tensor([list(b"hi")]), 3, temperature=0)[0].tolist()
+    assert capsys.readouterr().out == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace") + "\n"

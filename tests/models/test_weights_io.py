@@ -1,0 +1,230 @@
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lintrans.models import GPT, GPTConfig  # noqa: E402
+from lintrans.models.hf import (  # noqa: E402
+    from_pretrained,
+    load_model,
+    save_hf,
+    save_model,
+    state_dict_from_hf,
+)
+
+VOCAB = 97
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def hf_model(activation="gelu_new"):
+    """A random GPT-2 with weights far from their init, so GELU or layout mistakes show in the logits."""
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=32, n_positions=48, vocab_size=VOCAB, activation_function=activation,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if name.endswith("ln_1.weight") else 0.0))
+    return model
+
+
+def hf_logits(model, idx):
+    with torch.no_grad():
+        return model(idx).logits
+
+
+def ours_logits(model, idx):
+    model.eval()
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+def test_logits_equal_huggingface_gpt2(tmp_path):
+    hf = hf_model()
+    save_dir = tmp_path / "hf"
+    hf.save_pretrained(save_dir)
+    ours = load_model(save_dir)
+    assert ours.config.gelu_approximate == "tanh" and ours.config.vocab_size == VOCAB
+    idx = torch.randint(0, VOCAB, (2, 48))
+    ref = hf_logits(hf, idx)
+    assert ref.abs().max() > 1.0  # not a degenerate comparison
+    assert (ours_logits(ours, idx) - ref).abs().max() <= 1e-4
+    # exact-erf GELU is measurably different: the comparison above can tell them apart
+    erf = load_model(save_dir, gelu_approximate="none")
+    assert (ours_logits(erf, idx) - ref).abs().max() > 1e-4
+
+
+def test_exact_gelu_huggingface_config_maps_to_none(tmp_path):
+    hf = hf_model(activation="gelu")
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.gelu_approximate == "none"
+    idx = torch.randint(0, VOCAB, (1, 20))
+    assert (ours_logits(ours, idx) - hf_logits(hf, idx)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_save_hf_round_trips_and_transformers_reads_it(tmp_path, safe):
+    hf = hf_model()
+    ours = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=48, vocab_size=VOCAB))
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict()), strict=False)
+    save_hf(ours, tmp_path, safe_serialization=safe)
+    expected = "model.safetensors" if safe else "pytorch_model.bin"
+    assert (tmp_path / expected).is_file() and not list(tmp_path.glob("*.tmp"))
+    idx = torch.randint(0, VOCAB, (2, 30))
+    again = load_model(tmp_path)
+    assert torch.equal(ours_logits(again, idx), ours_logits(ours, idx))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert (hf_logits(theirs, idx) - ours_logits(ours, idx)).abs().max() <= 1e-4
+
+
+def test_save_hf_refuses_what_gpt2_cannot_express(tmp_path):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11, attention="linear"))
+    with pytest.raises(ValueError, match="cannot express attention='linear'.*save_model"):
+        save_hf(model, tmp_path)
+
+
+def test_lintrans_checkpoint_round_trip_with_learned_feature_map(tmp_path):
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=23, attention="linear",
+                    attention_options={"feature_map": "hedgehog"} if _has_module_maps() else {}, n_kv_head=1,
+                    mlp="swiglu")
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_model(model, tmp_path, extra_config={"train": {"lr": 1e-3}})
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    assert cfg_json["model"] == cfg.to_dict() and cfg_json["train"] == {"lr": 1e-3}
+    again = load_model(tmp_path)
+    assert again.config == cfg
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+    # a plain GPTConfig dict as config.json (no "model" key) is accepted too
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    assert load_model(tmp_path).config == cfg
+
+
+def _has_module_maps():
+    from lintrans.nn.attention import feature_map_names
+
+    return "hedgehog" in feature_map_names()
+
+
+def nanogpt_checkpoint(path, compiled=True):
+    """What nanoGPT's train.py saves: exact-erf GELU model, maybe torch.compile-prefixed keys."""
+    args = dict(n_layer=2, n_head=2, n_embd=16, block_size=20, bias=False, vocab_size=29, dropout=0.0)
+    ref = GPT(GPTConfig(**args, gelu_approximate="none"))
+    prefix = "_orig_mod." if compiled else ""
+    state = {prefix + k: v for k, v in ref.state_dict().items()}
+    state[prefix + "transformer.h.0.attn.bias"] = torch.ones(1, 1, 20, 20).tril()  # non-flash mask buffer
+    torch.save({"model": state, "model_args": args, "iter_num": 5, "best_val_loss": torch.tensor(2.0),
+                "config": {"dataset": "shakespeare"}}, path)
+    return ref
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_nanogpt_checkpoint(tmp_path, compiled):
+    ref = nanogpt_checkpoint(tmp_path / "ckpt.pt", compiled)
+    model = load_model(tmp_path / "ckpt.pt")
+    assert model.config.gelu_approximate == "none" and model.config.bias is False
+    idx = torch.randint(0, 29, (2, 20))
+    assert torch.equal(ours_logits(model, idx), ours_logits(ref, idx))
+    assert load_model(tmp_path).config == model.config  # a folder holding ckpt.pt
+
+
+def test_mismatched_checkpoints_fail_clearly(tmp_path):
+    hf_model().save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["n_embd"] = 64
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"shape mismatches: \['transformer.wte.weight: \(97, 32\) in"):
+        load_model(tmp_path / "hf")
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=23))
+    save_model(model, tmp_path / "lt")
+    cfg = json.loads((tmp_path / "lt" / "config.json").read_text())
+    cfg["model"]["n_layer"] = 3
+    (tmp_path / "lt" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing keys: \['transformer.h.2"):
+        load_model(tmp_path / "lt")
+    cfg["model"]["n_layer"] = 1
+    (tmp_path / "lt" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unexpected keys: \['transformer.h.1"):
+        load_model(tmp_path / "lt")
+    with pytest.raises(ValueError, match=r"cannot override \['n_layer'\]"):
+        load_model(tmp_path / "lt", n_layer=2)
+    with pytest.raises(FileNotFoundError, match="neither config.json"):
+        (tmp_path / "empty").mkdir()
+        load_model(tmp_path / "empty")
+
+
+def fake_hf_cache(root, name="gpt2"):
+    snap = root / "hub" / f"models--{name.replace('/', '--')}" / "snapshots" / "abc123"
+    hf = hf_model()
+    hf.save_pretrained(snap)
+    (root / "hub" / f"models--{name.replace('/', '--')}" / "refs").mkdir()
+    (root / "hub" / f"models--{name.replace('/', '--')}" / "refs" / "main").write_text("abc123")
+    return hf
+
+
+def test_from_pretrained_reads_the_local_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    hf = fake_hf_cache(tmp_path)
+    model = GPT.from_pretrained("gpt2")
+    idx = torch.randint(0, VOCAB, (1, 16))
+    assert (ours_logits(model, idx) - hf_logits(hf, idx)).abs().max() <= 1e-4
+    # HF_HUB_CACHE wins over HF_HOME
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match="elsewhere.*models--gpt2.*never downloads"):
+        GPT.from_pretrained("gpt2")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert GPT.from_pretrained("gpt2").config.n_embd == 32
+    with pytest.raises(FileNotFoundError, match="models--openai-community--gpt2-xl"):
+        GPT.from_pretrained("openai-community/gpt2-xl")
+
+
+def test_linearising_keeps_every_weight(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    fake_hf_cache(tmp_path)
+    soft = GPT.from_pretrained("gpt2")
+    opts = {"feature_map": "rebased"} if _has_module_maps() else {"feature_map": "softplus"}
+    lin = GPT.from_pretrained("gpt2", attention="linear", attention_options=opts)
+    assert lin.config.attention == "linear"
+    assert isinstance(lin.transformer.h[0].attn, type(GPT(lin.config).transformer.h[0].attn))
+    soft_sd = soft.state_dict()
+    for k, v in lin.state_dict().items():
+        if k in soft_sd:
+            assert torch.equal(v, soft_sd[k]), k
+        else:
+            assert ".attn.phi_" in k  # only the feature map's own parameters are new
+    idx = torch.randint(0, VOCAB, (1, 16))
+    assert not torch.allclose(ours_logits(lin, idx), ours_logits(soft, idx))
+
+
+def test_bin_weights_are_loaded_safely(tmp_path):
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)  # config.json; then swap the weights for the older .bin format
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    ours = load_model(tmp_path)
+    idx = torch.randint(0, VOCAB, (1, 10))
+    assert (ours_logits(ours, idx) - hf_logits(hf, idx)).abs().max() <= 1e-4
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    # a pickle that is not plain tensors is refused by weights_only loading
+    torch.save({"transformer.wte.weight": Evil()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        load_model(tmp_path)

@@ -1,0 +1,118 @@
+"""The GPT's attention layers against the float64 references of the ops they wrap."""
+import pytest
+import torch
+
+from lintrans.models import GPTConfig
+from lintrans.nn import get_attention
+from lintrans.ops.linear import linear_attention_reference
+from lintrans.ops.softmax import softmax_attention_reference
+
+
+def config(**kw):
+    base = dict(n_layer=1, n_head=4, n_embd=24, block_size=32, vocab_size=10)
+    return GPTConfig(**{**base, **kw})
+
+
+def reference(layer, x, attention, n_kv_head, **opts):
+    """Projections by hand in float64, attention by the op's reference, kv heads repeated explicitly."""
+    layer = layer.double()
+    x = x.double()
+    B, T, C = x.shape
+    H, D = layer.n_head, layer.head_dim
+    qkv = x @ layer.c_attn.weight.T + layer.c_attn.bias
+    q, k, v = qkv.split([H * D, n_kv_head * D, n_kv_head * D], dim=-1)
+    q = q.reshape(B, T, H, D)
+    k = k.reshape(B, T, n_kv_head, D).repeat_interleave(H // n_kv_head, dim=2)
+    v = v.reshape(B, T, n_kv_head, D).repeat_interleave(H // n_kv_head, dim=2)
+    if attention == "softmax":
+        o = softmax_attention_reference(q, k, v)
+    else:
+        o, _ = linear_attention_reference(q, k, v, **opts)
+    return o.reshape(B, T, C) @ layer.c_proj.weight.T + layer.c_proj.bias
+
+
+@pytest.mark.parametrize("T", [1, 5, 13])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+@pytest.mark.parametrize(
+    "attention, opts",
+    [("softmax", {}), ("linear", {"feature_map": "elu", "chunk_size": 4}),
+     ("linear", {"feature_map": "relu", "form": "attention", "eps": 1e-3}),
+     ("linear", {"feature_map": "identity", "normalize": False, "scale": 0.5})],
+)
+def test_layer_equals_reference_outputs_and_grads(attention, opts, n_kv_head, T):
+    layer = get_attention(attention)(config(attention=attention, attention_options=opts, n_kv_head=n_kv_head))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    op_opts = {k: v for k, v in opts.items() if k not in ("chunk_size", "form")}
+    x = torch.randn(2, T, 24, requires_grad=True)
+    y, cache = layer(x)
+    assert cache is None
+    x64 = x.detach().double().requires_grad_()
+    import copy
+
+    ref = reference(copy.deepcopy(layer), x64, attention, n_kv_head, **op_opts)
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-4)
+    g = torch.randn_like(ref)
+    (gx,) = torch.autograd.grad(y, x, g.float())
+    (gx_ref,) = torch.autograd.grad(ref, x64, g)
+    torch.testing.assert_close(gx.double(), gx_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_softmax_cache_covers_prompt_and_steps():
+    layer = get_attention("softmax")(config(n_kv_head=2)).eval()
+    x = torch.randn(2, 9, 24)
+    full, _ = layer(x)
+    y1, cache = layer(x[:, :4], use_cache=True)
+    y2, cache = layer(x[:, 4:7], cache=cache, use_cache=True)  # a second prompt piece: masked, not causal
+    y3, cache = layer(x[:, 7:8], cache=cache, use_cache=True)
+    y4, _ = layer(x[:, 8:], cache=cache, use_cache=False)
+    torch.testing.assert_close(torch.cat([y1, y2, y3, y4], 1), full, atol=1e-6, rtol=1e-5)
+    assert cache.length == 8 and cache.k.shape == (2, 2, 8, 6)
+
+
+def test_linear_cache_is_the_recurrent_state():
+    layer = get_attention("linear")(config(attention="linear", attention_options={"chunk_size": 3}))
+    x = torch.randn(1, 7, 24)
+    full, _ = layer(x)
+    y1, state = layer(x[:, :5], use_cache=True)
+    S, z = state
+    assert S.shape == (1, 4, 6, 6) and z.shape == (1, 4, 6) and S.dtype == torch.float32
+    y2, state = layer(x[:, 5:6], cache=state, use_cache=True)
+    y3, _ = layer(x[:, 6:], cache=state, use_cache=True)
+    torch.testing.assert_close(torch.cat([y1, y2, y3], 1), full, atol=1e-6, rtol=1e-5)
+
+
+def test_module_feature_maps_are_trainable_submodules():
+    from lintrans.nn.attention import feature_map_names
+
+    if "hedgehog" not in feature_map_names():
+        pytest.skip("lintrans.nn.feature_maps not available")
+    layer = get_attention("linear")(config(attention="linear", attention_options={"feature_map": "hedgehog"}))
+    names = [n for n, _ in layer.named_parameters()]
+    assert any(n.startswith("phi_q.") for n in names) and any(n.startswith("phi_k.") for n in names)
+    layer(torch.randn(1, 5, 24))[0].sum().backward()
+    assert layer.phi_q.weight.grad is not None and layer.phi_q.weight.grad.abs().sum() > 0
+    shared = get_attention("linear")(config(attention="linear", attention_options={
+        "feature_map": "performer", "feature_map_options": {"num_features": 8}}))
+    assert shared.phi_k is None  # FAVOR+ needs one random matrix for q and k
+    with pytest.raises(ValueError, match="shared_qk must be True"):
+        get_attention("linear")(config(attention="linear", attention_options={
+            "feature_map": "performer", "shared_qk": False, "feature_map_options": {"num_features": 8}}))
+
+
+@pytest.mark.parametrize(
+    "opts, err, match",
+    [({"form": "magic"}, ValueError, "form'\\] must be one of"),
+     ({"chunk_size": 0}, ValueError, "chunk_size"),
+     ({"feature_map": "elu", "feature_map_options": {"x": 1}}, ValueError, "takes no feature_map_options"),
+     ({"feature_map": 3}, TypeError, "must be a name")],
+)
+def test_linear_bad_options(opts, err, match):
+    with pytest.raises(err, match=match):
+        get_attention("linear")(config(attention="linear", attention_options=opts))
+
+
+def test_softmax_takes_no_options():
+    with pytest.raises(ValueError, match=r"unknown attention_options \['window'\] for 'softmax'"):
+        get_attention("softmax")(config(attention_options={"window": 4}))
