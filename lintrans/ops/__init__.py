@@ -1,15 +1,43 @@
 """Pure functions on [B, T, H, D] tensors, each with a plain reference beside it."""
+from .aft import (
+    aft,
+    aft_last_row,
+    aft_reference,
+    aft_simple_state,
+    aft_simple_step,
+    aft_window_state,
+    aft_window_step,
+)
 from .feature_maps import FEATURE_MAPS, resolve_feature_map
 from .linear import FORMS, linear_attention, linear_attention_reference, linear_attention_step
+from .sliding_window import (
+    sliding_window_attention,
+    sliding_window_attention_reference,
+    sliding_window_cache,
+    sliding_window_step,
+)
 from .softmax import softmax_attention, softmax_attention_reference
+from .taylor import taylor_attention
 
 __all__ = [
+    "aft",
+    "aft_last_row",
+    "aft_reference",
+    "aft_simple_state",
+    "aft_simple_step",
+    "aft_window_state",
+    "aft_window_step",
     "FEATURE_MAPS",
     "FORMS",
     "linear_attention",
     "linear_attention_reference",
     "linear_attention_step",
     "resolve_feature_map",
+    "sliding_window_attention",
+    "sliding_window_attention_reference",
+    "sliding_window_cache",
+    "sliding_window_step",
     "softmax_attention",
     "softmax_attention_reference",
+    "taylor_attention",
 ]

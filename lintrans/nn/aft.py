@@ -1,0 +1,135 @@
+"""Attention Free Transformer layers for the GPT: ``aft-full``, ``aft-simple``, ``aft-local``, ``aft-conv``.
+
+q, k, v come from the shared ``c_attn`` projection as [B, T, H, D]; AFT mixes them per channel
+(heads only matter for per-head biases). Always causal. Position biases start at zero, so every
+variant starts out as AFT-simple and learns its bias from there.
+
+Generation: ``aft-simple`` carries a constant-size state (num, den, running max); ``aft-local`` and
+``aft-conv`` add a ring of the last ``window``/``kernel`` keys (constant size too). ``aft-full`` keeps
+every key and value (a growing cache, like softmax attention): its bias row for a new token spans
+every earlier position.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from lintrans.ops._validate import check_positive_int
+from lintrans.ops.aft import (
+    aft,
+    aft_last_row,
+    aft_simple_state,
+    aft_simple_step,
+    aft_window_state,
+    aft_window_step,
+)
+
+from .attention import KVCache, QKVAttention, _check_options
+from .registry import register_attention
+
+
+class _AFT(QKVAttention):
+    """Shared by the four variants; subclasses set NAME, VARIANT, DEFAULTS and make the bias."""
+
+    NAME = VARIANT = ""
+    DEFAULTS: dict = {}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.opts = _check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
+        self.block_size = config.block_size
+        self.pos_bias: Optional[nn.Parameter] = None
+        self.window: Optional[int] = None
+
+    def _per_head_bias(self, config) -> nn.Parameter:
+        per_head = self.opts["per_head"]
+        if not isinstance(per_head, bool):
+            raise TypeError(f"attention_options['per_head'] must be a bool, got {per_head!r}")
+        T = config.block_size
+        return nn.Parameter(torch.zeros(config.n_head, T, T) if per_head else torch.zeros(T, T))
+
+    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
+        q, k, v = self.qkv(x)
+        k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,T,H,D]
+        kw = dict(variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
+        if cache is None:
+            o = aft(q, k, v, causal=True, **kw)
+            return self.out(o), (self._new_cache(k, v) if use_cache else None)
+        outs = []
+        for t in range(x.shape[1]):  # decoding: one token at a time against the cache
+            o, cache = self._step(q[:, t], k[:, t], v[:, t], cache)
+            outs.append(o)
+        return self.out(torch.stack(outs, dim=1)), (cache if use_cache else None)
+
+    def _new_cache(self, k, v):
+        return KVCache(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())  # [B,H,T,D]
+
+    def _step(self, q, k, v, cache: KVCache):
+        cache.append(k[:, :, None], v[:, :, None])
+        kw = dict(variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
+        return aft_last_row(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), **kw), cache
+
+
+class _WindowedAFT(_AFT):
+    """local/conv: a constant-size decoding state (unbiased sums + a ring of the window's keys)."""
+
+    def _new_cache(self, k, v):
+        return aft_window_state(k, v, variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
+
+    def _step(self, q, k, v, cache):
+        return aft_window_step(q, k, v, cache, variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
+
+
+@register_attention("aft-full")
+class AFTFull(_AFT):
+    """AFT-full: a learned bias for every (query, key) pair of positions, [block_size, block_size]
+    (or [n_head, block_size, block_size] with ``per_head``)."""
+
+    NAME, VARIANT = "aft-full", "full"
+    DEFAULTS = {"per_head": False}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.pos_bias = self._per_head_bias(config)
+
+
+@register_attention("aft-local")
+class AFTLocal(_WindowedAFT):
+    """AFT-local: the pairwise bias only for keys less than ``window`` positions back; others count unbiased."""
+
+    NAME, VARIANT = "aft-local", "local"
+    DEFAULTS = {"per_head": False, "window": 32}
+
+    def __init__(self, config):
+        super().__init__(config)
+        check_positive_int("attention_options['window']", self.opts["window"])
+        self.window = self.opts["window"]
+        self.pos_bias = self._per_head_bias(config)
+
+
+@register_attention("aft-conv")
+class AFTConv(_WindowedAFT):
+    """AFT-conv: a per-head relative bias over the last ``kernel`` positions, [n_head, kernel]."""
+
+    NAME, VARIANT = "aft-conv", "conv"
+    DEFAULTS = {"kernel": 32}
+
+    def __init__(self, config):
+        super().__init__(config)
+        check_positive_int("attention_options['kernel']", self.opts["kernel"])
+        self.pos_bias = nn.Parameter(torch.zeros(config.n_head, self.opts["kernel"]))
+
+
+@register_attention("aft-simple")
+class AFTSimple(_AFT):
+    """AFT-simple: no position bias; O(T*D) and a constant-size decoding state."""
+
+    NAME, VARIANT = "aft-simple", "simple"
+
+    def _new_cache(self, k, v):
+        return aft_simple_state(k, v)
+
+    def _step(self, q, k, v, cache):
+        return aft_simple_step(q, k, v, cache)

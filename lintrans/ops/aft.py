@@ -1,0 +1,455 @@
+"""Attention Free Transformer (Zhai et al. 2021): a per-channel weighted mean instead of dot products.
+
+For every position t and channel d, with w the log position bias of the variant,
+
+    o_td = sigmoid(q_td) * sum_j exp(k_jd + w_tj) v_jd / sum_j exp(k_jd + w_tj)
+
+over j <= t when causal, every j otherwise. The variants differ only in w:
+
+- ``full``:   w = pos_bias[:T, :T], a learned pairwise bias, pos_bias [T_max, T_max] or [H, T_max, T_max].
+- ``simple``: w = 0 (no bias): a softmax over keys per channel, O(T*D).
+- ``local``:  w = pos_bias inside the window (|t - j| < window; 0 <= t - j < window when causal) and
+              0 outside it; 0, not -inf: tokens outside the window still count, just without a bias.
+- ``conv``:   w_tj = pos_bias[h, t - j] (causal: taps are offsets 0..kernel-1) or
+              pos_bias[h, t - j + kernel // 2] (non-causal, odd kernel), 0 outside the kernel:
+              a per-head relative bias, AFT-local with a convolution kernel. pos_bias [H, kernel].
+
+Never builds a [T, T, D] tensor. Paths:
+
+- full (and local/conv on short sequences): exp(w - rowmax w) [Hw, T, T] times exp(k - max k) * v, one
+  matmul; both max shifts cancel in the ratio. When causal and a huge key comes late (a row's largest
+  term would sit more than UNDERFLOW_GAP below the shared reference), query chunks with per-row
+  references (the running max of k) instead.
+- simple: log-cumsum-exp scans, O(T*D).
+- local/conv on long sequences: the biased band [B, H, T, W, D] plus unbiased prefix/suffix sums from
+  the same scans, O(T*W*D), no [T, T] matrix.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ._validate import check_positive_int, check_qkv, check_tensor, compute_dtype
+
+VARIANTS = ("full", "simple", "local", "conv")
+# state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])
+AFTState = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# query rows per step of the causal chunked path; its in-chunk weights are [B, H, CHUNK, CHUNK, D]
+CHUNK = 32
+# how far (in log space) below a row's largest term the shared reference may sit before the causal
+# path switches from one matmul to per-row references: exp(-60) is far from float32 underflow (1e-38)
+UNDERFLOW_GAP = {torch.float32: 60.0, torch.float64: 600.0}
+# local/conv take the O(T*W*D) banded path once the [Hw, T, T] bias matrix is larger than this times
+# the band [B, H, T, W, D]: band work is elementwise, slower per entry than the T x T matmul (on a CPU
+# core the two cross near ratio 0.3-0.75 for W = D = 64; 1.0 also keeps the band's memory below the matrix)
+BANDED_RATIO = 1.0
+
+
+def _check_variant_args(variant, pos_bias, window, T: int, H: int) -> None:
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    if variant == "simple":
+        if pos_bias is not None:
+            raise ValueError("pos_bias must be None for variant 'simple' (it has no position bias)")
+    else:
+        if pos_bias is None:
+            raise ValueError(f"variant {variant!r} needs pos_bias")
+        if variant == "conv":
+            check_tensor("pos_bias", pos_bias, 2, "[H, kernel]")
+            if pos_bias.shape[0] != H:
+                raise ValueError(
+                    f"pos_bias for variant 'conv' must have shape [H, kernel] with H={H}, got {tuple(pos_bias.shape)}"
+                )
+        else:
+            if not isinstance(pos_bias, torch.Tensor) or pos_bias.dim() not in (2, 3):
+                raise ValueError(
+                    f"pos_bias for variant {variant!r} must be a tensor [T_max, T_max] or [H, T_max, T_max], "
+                    f"got {getattr(pos_bias, 'shape', type(pos_bias).__name__)}"
+                )
+            check_tensor("pos_bias", pos_bias, pos_bias.dim(), "[T_max, T_max] or [H, T_max, T_max]")
+            Tr, Tc = pos_bias.shape[-2:]
+            if Tr != Tc or Tr < T or (pos_bias.dim() == 3 and pos_bias.shape[0] != H):
+                raise ValueError(
+                    f"pos_bias for variant {variant!r} must have shape [T_max, T_max] or [H={H}, T_max, T_max] "
+                    f"with T_max >= T={T}, got {tuple(pos_bias.shape)}"
+                )
+    if variant == "local":
+        check_positive_int("window", window)
+    elif window is not None:
+        raise ValueError(
+            f"window is only used by variant 'local' (conv takes its width from pos_bias), got window={window!r}"
+        )
+
+
+def position_bias(variant: str, pos_bias, window, T: int, causal: bool, *, rows: Optional[slice] = None):
+    """The log weights w [Hw, T, T] (Hw = 1 or H) the variant adds to the keys, or None for simple.
+
+    ``rows`` selects query positions (e.g. the last row for decoding); columns are always 0..T-1.
+    Entries above the diagonal are left in place; causal masking is the caller's job.
+    """
+    if variant == "simple":
+        return None
+    rows = rows if rows is not None else slice(0, T)
+    t = torch.arange(T, device=pos_bias.device)[rows, None]
+    j = torch.arange(T, device=pos_bias.device)[None, :]
+    rel = t - j  # [R, T] query minus key position
+    if variant == "conv":
+        # Toeplitz matrix w[t, j] = bias at offset t - j, from a [H, 2T-1] vector of offsets
+        # -(T-1)..(T-1) (an unfold, whose backward is cheap, unlike indexing by offset)
+        kernel = pos_bias.shape[-1]
+        left = T - 1 - (0 if causal else kernel // 2)  # where tap 0 sits; F.pad crops when negative
+        offsets = F.pad(pos_bias, (left, 2 * T - 1 - left - kernel))  # [H, 2T-1] bias at offset i-(T-1)
+        if rows != slice(0, T):  # a few rows (decoding): index, no T x T matrix
+            return offsets[:, rel + T - 1]  # [H, R, T]
+        return offsets.unfold(-1, T, 1).flip(-1)  # [H, T, T]: w[t, j] = offsets[t - j + T - 1]
+    w = pos_bias[..., rows, :T]
+    w = w if w.dim() == 3 else w[None]  # [Hw, R, T]
+    if variant == "local":
+        inside = (rel >= 0) & (rel < window) if causal else rel.abs() < window
+        w = w * inside
+    return w
+
+
+def _aft_dense(k, v, logw):
+    """Non-causal weighted mean, one matmul. k, v: [B,H,T,D]; logw: [Hw,T,T] -> [B,H,T,D]."""
+    ek = torch.exp(k - k.amax(dim=2, keepdim=True).detach())  # [B,H,T,D] max term is exactly 1
+    E = torch.exp(logw - logw.amax(dim=-1, keepdim=True).detach())  # [Hw,T,T]
+    nd = E @ torch.cat([ek * v, ek], dim=-1)  # [B,H,T,2D]
+    D = v.shape[-1]
+    return nd[..., :D] / nd[..., D:]
+
+
+def _aft_causal(k, v, logw):
+    """Causal weighted mean. k, v: [B,H,T,D]; logw: [Hw,T,T] -> [B,H,T,D].
+
+    With one global per-channel max M as reference, row t's largest term is at least
+    exp(-(M - m_t) - range of w in row t), m_t = max_{j<=t} k_j. While that exponent stays above
+    -UNDERFLOW_GAP (keys of ordinary size), one masked matmul is exact; otherwise (a huge key late
+    in the sequence) the chunked path with per-row references.
+    """
+    causal = torch.ones(logw.shape[-1], logw.shape[-1], dtype=torch.bool, device=k.device).tril()
+    lw = logw.detach().masked_fill(~causal, float("-inf"))
+    w_range = lw.amax(-1) - lw.masked_fill(~causal, float("inf")).amin(-1)  # [Hw,T]
+    kd = k.detach()
+    gap = kd.amax(dim=2, keepdim=True) - torch.cummax(kd, dim=2).values  # [B,H,T,D]
+    if float((gap.amax(-1) + w_range).max()) < UNDERFLOW_GAP[k.dtype]:
+        return _aft_dense(k, v, logw.masked_fill(~causal, float("-inf")))
+    return _aft_causal_chunked(k, v, logw)
+
+
+def _aft_causal_chunked(k, v, logw):
+    """Causal weighted mean in query chunks. k, v: [B,H,T,D]; logw: [Hw,T,T] -> [B,H,T,D].
+
+    Row t uses m_t = max_{j<=t} k_j as reference: keys before the chunk enter through one matmul with
+    the reference at the chunk start (rescaled per row by exp(m_start - m_t) <= 1), keys inside the
+    chunk through an exact [C, C, D] block. Every exponent is <= 0 and the row's max term is exp(0).
+    """
+    B, H, T, D = k.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+    mw = logw.masked_fill(~causal, float("-inf")).amax(dim=-1, keepdim=True).detach()
+    E = torch.exp((logw - mw).masked_fill(~causal, float("-inf")))  # [Hw,T,T], 0 above the diagonal
+    m = torch.cummax(k.detach(), dim=2).values  # [B,H,T,D] prefix max
+    outs = []
+    # split once: slicing E per chunk would make autograd build a full [Hw,T,T] gradient per chunk
+    for E_rows, s in zip(E.split(CHUNK, dim=1), range(0, T, CHUNK)):  # E_rows: [Hw,C,T]
+        e = min(s + CHUNK, T)
+        c = e - s
+        inner = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+        x = (k[:, :, None, s:e] - m[:, :, s:e, None]).masked_fill(~inner[:, :, None], float("-inf"))
+        W = E_rows[None, :, :, s:e, None] * torch.exp(x)  # [1,Hw,C,C,1] * [B,H,C,C,D]
+        num = (W * v[:, :, None, s:e]).sum(3)  # [B,H,C,D]
+        den = W.sum(3)
+        if s > 0:
+            ref = m[:, :, s - 1 : s]  # [B,H,1,D] max over keys before the chunk
+            ek = torch.exp(k[:, :, :s] - ref)  # [B,H,s,D]
+            nd = E_rows[:, :, :s] @ torch.cat([ek * v[:, :, :s], ek], dim=-1)  # [B,H,C,2D]
+            rescale = torch.exp(ref - m[:, :, s:e])  # [B,H,C,D] <= 1
+            num = num + rescale * nd[..., :D]
+            den = den + rescale * nd[..., D:]
+        outs.append(num / den)
+    return torch.cat(outs, dim=2)
+
+
+def _log_sums(k, v, reverse: bool = False):
+    """log sum_{j<=t} exp(k_j) * (a_j, b_j, 1) with v = a - b, a = relu(v) + 1, b = relu(-v) + 1.
+
+    Three log-cumsum-exp scans over T (from the end when ``reverse``): O(T*D), stable for any k.
+    a, b >= 1 keep the log domain safe, and each weighted mean lies in [1, 1 + |v|]: no bad cancellation.
+    """
+    def scan(x):
+        return torch.logcumsumexp(x.flip(2), dim=2).flip(2) if reverse else torch.logcumsumexp(x, dim=2)
+
+    return scan(k + torch.log(F.relu(v) + 1)), scan(k + torch.log(F.relu(-v) + 1)), scan(k)
+
+
+def _shift(x, by: int):
+    """x [B,H,T,D] moved `by` positions later in time (earlier when negative), -inf where nothing comes in."""
+    T = x.shape[2]
+    if by >= 0:
+        return F.pad(x, (0, 0, by, 0), value=float("-inf"))[:, :, :T]
+    return F.pad(x, (0, 0, 0, -by), value=float("-inf"))[:, :, -by:]
+
+
+def _aft_banded(k, v, band_w, back: int, fwd: int, causal: bool):
+    """AFT-local/conv in O(T * band * D): biased keys in the band t-back..t+fwd, unbiased ones outside.
+
+    k, v: [B,H,T,D]; band_w: [Hw, T or 1, back+fwd+1], the bias of key t - back + l at index l.
+    Keys outside the band enter as simple-AFT prefix (and, non-causal, suffix) sums in log space.
+    Every term is scaled by exp(-R), R the largest log-term of the row and channel: nothing overflows.
+    """
+    T = k.shape[2]
+    width = back + fwd + 1
+    kb = F.pad(k, (0, 0, back, fwd), value=float("-inf")).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
+    vb = F.pad(v, (0, 0, back, fwd)).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
+    logits = kb + band_w[None, :, :, :, None]  # [B,H,T,W,D]; -inf at keys before 0 or after T-1
+    outside = [tuple(_shift(x, back + 1) for x in _log_sums(k, v))]  # keys j < t - back
+    if not causal:
+        outside.append(tuple(_shift(x, -(fwd + 1)) for x in _log_sums(k, v, reverse=True)))  # keys j > t + fwd
+    R = logits.detach().amax(3)  # [B,H,T,D]
+    for la, lb, _ in outside:
+        R = torch.maximum(R, torch.maximum(la, lb).detach())
+    e = torch.exp(logits - R[:, :, :, None])  # [B,H,T,W,D]
+    num, den = (e * vb).sum(3), e.sum(3)
+    for la, lb, l1 in outside:
+        num = num + torch.exp(la - R) - torch.exp(lb - R)
+        den = den + torch.exp(l1 - R)
+    return num / den
+
+
+def band_bias(variant: str, pos_bias, window, T: int, causal: bool):
+    """(band_w [Hw, T or 1, back+fwd+1], back, fwd) for local/conv: the bias of key t - back + l at l."""
+    if variant == "conv":
+        kernel = pos_bias.shape[-1]
+        back, fwd = (kernel - 1, 0) if causal else (kernel // 2, kernel // 2)
+        return pos_bias.flip(-1)[:, None, :], back, fwd  # offset back - l is tap kernel - 1 - l
+    back, fwd = (window - 1, 0) if causal else (window - 1, window - 1)
+    bias = pos_bias if pos_bias.dim() == 3 else pos_bias[None]  # [Hw,T_max,T_max]
+    t = torch.arange(T, device=pos_bias.device)[:, None]
+    j = (t - back + torch.arange(back + fwd + 1, device=pos_bias.device)[None, :]).clamp(0, T - 1)  # [T,W]
+    return bias[:, t, j], back, fwd  # out-of-range j hold a key of -inf, so their bias is never used
+
+
+def _aft_simple_causal(k, v):
+    """Causal softmax-over-prefix per channel in O(T*D) (see _log_sums)."""
+    la, lb, l1 = _log_sums(k, v)
+    return torch.exp(la - l1) - torch.exp(lb - l1)
+
+
+def aft(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    pos_bias: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """AFT. q, k, v: [B, T, H, D] (one D: AFT mixes per channel) -> o [B, T, H, D].
+
+    variant ``full``/``local``: pos_bias [T_max, T_max] shared by all heads or [H, T_max, T_max],
+    T_max >= T (the top-left [T, T] block is used); ``local`` also needs ``window``. ``conv``: pos_bias
+    [H, kernel] (odd kernel when not causal). ``simple``: no pos_bias. Memory O(T*D) for simple,
+    O(T*T + T*D) for full, the smaller of O(T*T) and O(T*window*D) for local/conv.
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    if Dk != Dv:
+        raise ValueError(f"AFT mixes values per channel: v must have the same last dimension as k, got {Dk} and {Dv}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    _check_variant_args(variant, pos_bias, window, T, H)
+    if variant == "conv" and not causal and pos_bias.shape[-1] % 2 == 0:
+        raise ValueError(f"a non-causal conv kernel must have odd width, got pos_bias {tuple(pos_bias.shape)}")
+    dtype = compute_dtype(q.dtype)
+    kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
+    if variant == "simple":
+        if causal:
+            mean = _aft_simple_causal(kh, vh)
+        else:
+            mean = (torch.softmax(kh, dim=2) * vh).sum(2, keepdim=True).expand_as(vh)
+    elif variant == "full":
+        logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]
+        mean = _aft_causal(kh, vh, logw) if causal else _aft_dense(kh, vh, logw)
+    else:  # local, conv: whichever of the band [B,H,T,W,D] and the bias matrix [Hw,T,T] is smaller
+        band_w, back, fwd = band_bias(variant, pos_bias.to(dtype), window, T, causal)
+        Hw = pos_bias.shape[0] if pos_bias.dim() == 3 or variant == "conv" else 1
+        if T * Hw > BANDED_RATIO * B * H * (back + fwd + 1) * Dk:
+            mean = _aft_banded(kh, vh, band_w, back, fwd, causal)
+        else:
+            logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]
+            mean = _aft_causal(kh, vh, logw) if causal else _aft_dense(kh, vh, logw)
+    o = torch.sigmoid(q.to(dtype)) * mean.transpose(1, 2)  # [B,T,H,D]
+    return o.to(q.dtype)
+
+
+def aft_simple_state(k: torch.Tensor, v: torch.Tensor) -> AFTState:
+    """The causal simple state after the tokens k, v [B, T, H, D] (e.g. a prompt), for aft_simple_step."""
+    check_qkv(k, k, v)
+    dtype = compute_dtype(k.dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    m = k.amax(dim=1)  # [B,H,D]
+    ek = torch.exp(k - m[:, None])  # [B,T,H,D]
+    return (ek * v).sum(1), ek.sum(1), m
+
+
+def aft_simple_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Optional[AFTState] = None
+) -> Tuple[torch.Tensor, AFTState]:
+    """One token of causal AFT-simple: q, k, v [B, H, D] -> (o [B, H, D], state).
+
+    state = (num, den, m), each [B, H, D] in float32 (float64 for float64 inputs): the running sums of
+    exp(k - m) v and exp(k - m), m the running max of k. Constant size whatever the length.
+    """
+    B, _, H, Dk, Dv = check_qkv(q, k, v, layout="[B, H, D]")
+    if Dk != Dv:
+        raise ValueError(f"AFT mixes values per channel: v must have the same last dimension as k, got {Dk} and {Dv}")
+    dtype = compute_dtype(q.dtype)
+    kd, vd = k.to(dtype), v.to(dtype)
+    if state is None:
+        num = torch.zeros(B, H, Dk, dtype=dtype, device=q.device)
+        den = torch.zeros_like(num)
+        m = torch.full_like(num, float("-inf"))
+    else:
+        if not (isinstance(state, (tuple, list)) and len(state) == 3):
+            raise TypeError("state must be a triple (num, den, m) of [B, H, D] tensors or None")
+        for name, x in zip(("num", "den", "m"), state):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (B, H, Dk) or x.dtype != dtype:
+                raise ValueError(
+                    f"state {name} must be a {dtype} tensor of shape {[B, H, Dk]}, "
+                    f"got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}"
+                )
+        num, den, m = state
+    m_new = torch.maximum(m, kd)
+    decay = torch.exp(m - m_new)  # rescales the old sums to the new max; exp(-inf) = 0 at the start
+    ek = torch.exp(kd - m_new)
+    num = num * decay + ek * vd
+    den = den * decay + ek
+    o = torch.sigmoid(q.to(dtype)) * num / den
+    return o.to(q.dtype), (num, den, m_new)
+
+
+class AFTWindowState(NamedTuple):
+    """Decoding state of causal AFT-local/conv: keys that left the window as an AFT-simple state,
+    the last `window` keys and values in a ring (slot = position % window). Constant size."""
+
+    num: torch.Tensor  # [B, H, D] sum of exp(k - m) v over keys before the window
+    den: torch.Tensor  # [B, H, D]
+    m: torch.Tensor  # [B, H, D] their running max (-inf while there are none)
+    ring_k: torch.Tensor  # [B, H, W, D]
+    ring_v: torch.Tensor  # [B, H, W, D]
+    pos: int  # tokens seen so far
+
+
+def _band_width(variant: str, pos_bias, window) -> int:
+    if variant not in ("local", "conv"):
+        raise ValueError(f"variant must be 'local' or 'conv' for a windowed AFT state, got {variant!r}")
+    return pos_bias.shape[-1] if variant == "conv" else window
+
+
+def aft_window_state(k: torch.Tensor, v: torch.Tensor, *, variant: str, pos_bias, window=None) -> AFTWindowState:
+    """The causal AFT-local/conv decoding state after the tokens k, v [B, T, H, D] (e.g. a prompt)."""
+    B, T, H, D, _ = check_qkv(k, k, v)
+    W = _band_width(variant, pos_bias, window)
+    check_positive_int("window", W)
+    dtype = compute_dtype(k.dtype)
+    if T > W:
+        num, den, m = aft_simple_state(k[:, : T - W], v[:, : T - W])
+    else:
+        num = torch.zeros(B, H, D, dtype=dtype, device=k.device)
+        den, m = torch.zeros_like(num), torch.full_like(num, float("-inf"))
+    ring_k = torch.zeros(B, H, W, D, dtype=dtype, device=k.device)
+    ring_v = torch.zeros_like(ring_k)
+    last = torch.arange(max(0, T - W), T, device=k.device)
+    ring_k[:, :, last % W] = k[:, last].transpose(1, 2).to(dtype)
+    ring_v[:, :, last % W] = v[:, last].transpose(1, 2).to(dtype)
+    return AFTWindowState(num, den, m, ring_k, ring_v, T)
+
+
+def aft_window_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AFTWindowState, *, variant: str, pos_bias, window=None
+) -> Tuple[torch.Tensor, AFTWindowState]:
+    """One token of causal AFT-local/conv: q, k, v [B, H, D] -> (o [B, H, D], state), constant memory.
+
+    The key leaving the window joins the unbiased sum; the window's keys get their bias.
+    """
+    B, _, H, D, _ = check_qkv(q, k, v, layout="[B, H, D]")
+    W = _band_width(variant, pos_bias, window)
+    if not isinstance(state, AFTWindowState) or state.ring_k.shape != (B, H, W, D):
+        raise ValueError(f"state must be an AFTWindowState with a ring of shape {[B, H, W, D]} (from aft_window_state)")
+    p = state.pos
+    _check_variant_args(variant, pos_bias, None if variant == "conv" else window, p + 1, H)
+    num, den, m = state.num, state.den, state.m
+    slot = p % W
+    ring_k, ring_v = state.ring_k.clone(), state.ring_v.clone()
+    if p >= W:  # position p - W leaves the window: fold it into the unbiased sums
+        k_old, v_old = ring_k[:, :, slot], ring_v[:, :, slot]
+        m_new = torch.maximum(m, k_old)
+        decay, e = torch.exp(m - m_new), torch.exp(k_old - m_new)
+        num, den, m = num * decay + e * v_old, den * decay + e, m_new
+    ring_k[:, :, slot] = k.to(ring_k.dtype)
+    ring_v[:, :, slot] = v.to(ring_v.dtype)
+    n = min(p + 1, W)
+    j = p - torch.arange(n, device=q.device)  # window positions, newest first; offset i = p - j
+    bias = pos_bias.to(ring_k.dtype)
+    if variant == "conv":
+        w = bias[:, :n]  # [H, n]
+    else:
+        w = (bias if bias.dim() == 3 else bias[None])[:, p, j]  # [Hw, n]
+    logits = ring_k[:, :, j % W] + w[None, :, :, None]  # [B,H,n,D]
+    R = torch.maximum(logits.amax(2), m)
+    e = torch.exp(logits - R[:, :, None])
+    scale = torch.exp(m - R)  # 0 while nothing has left the window
+    num_o = num * scale + (e * ring_v[:, :, j % W]).sum(2)
+    den_o = den * scale + e.sum(2)
+    o = torch.sigmoid(q.to(num.dtype)) * num_o / den_o
+    return o.to(q.dtype), AFTWindowState(num, den, m, ring_k, ring_v, p + 1)
+
+
+def aft_last_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, variant: str, pos_bias=None, window=None
+) -> torch.Tensor:
+    """Causal AFT output of the newest token only, for decoding with a cache of every key and value.
+
+    q [B, H, D] is the query at position L - 1; k, v [B, L, H, D] are all keys and values so far.
+    O(L*D) per token (AFT-full's bias row depends on the position, so it needs the whole history).
+    """
+    B, L, H, Dk, Dv = check_qkv(k, k, v)
+    check_tensor("q", q, 3, "[B, H, D]")
+    if q.shape != (B, H, Dk):
+        raise ValueError(f"q must have shape [B, H, D] = {[B, H, Dk]}, got {tuple(q.shape)}")
+    _check_variant_args(variant, pos_bias, window, L, H)
+    dtype = compute_dtype(q.dtype)
+    logits = k.to(dtype)  # [B,L,H,D]
+    if variant != "simple":
+        w = position_bias(variant, pos_bias.to(dtype), window, L, True, rows=slice(L - 1, L))  # [Hw,1,L]
+        logits = logits + w[:, 0].T[None, :, :, None]
+    mean = (torch.softmax(logits, dim=1) * v.to(dtype)).sum(1)  # [B,H,D]
+    return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
+
+
+def aft_reference(q, k, v, *, variant, pos_bias=None, window=None, causal=True) -> torch.Tensor:
+    """Plain float64 AFT for tests: the bias built entry by entry, then one softmax over keys per row."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, T, H, D = q.shape
+    w = torch.zeros(H, T, T, dtype=torch.float64)
+    for h in range(H):
+        for t in range(T):
+            for j in range(T):
+                if variant in ("full", "local"):
+                    b = pos_bias[h] if pos_bias.dim() == 3 else pos_bias
+                    near = (0 <= t - j < window if causal else abs(t - j) < window) if variant == "local" else True
+                    if near:
+                        w[h, t, j] = b[t, j]
+                elif variant == "conv":
+                    kernel = pos_bias.shape[-1]
+                    tap = t - j if causal else t - j + kernel // 2
+                    if 0 <= tap < kernel:
+                        w[h, t, j] = pos_bias[h, tap]
+    o = torch.zeros(B, T, H, D, dtype=torch.float64)
+    for t in range(T):
+        n = t + 1 if causal else T
+        logits = k[:, :n] + w[:, t, :n].T[None, :, :, None]  # [B,n,H,D]
+        o[:, t] = torch.sigmoid(q[:, t]) * (torch.softmax(logits, dim=1) * v[:, :n]).sum(1)
+    return o

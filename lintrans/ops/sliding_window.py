@@ -1,0 +1,259 @@
+"""Longformer attention (Beltagy et al. 2020): softmax over a sliding band plus a few global tokens.
+
+Query t sees the keys at offsets t - j in its band, every ``dilation``-th position:
+
+- causal:     t - j in {0, d, 2d, ..., (window - 1) d}: itself and window - 1 earlier keys;
+- non-causal: t - j in {-h d, ..., -d, 0, d, ..., h d} with h = window // 2 on each side.
+
+Global tokens (a bool mask [T] or a list of positions): non-causal, a global token attends to every
+position and every position attends to it; causal, it attends to every earlier position and every
+later position attends to it (a visible prefix, like an attention sink). Memory O(T * (block + band))
+for scores, never T x T: queries go in blocks against the slice of keys their bands cover.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ._validate import check_positive_int, check_qkv, compute_dtype
+
+
+class SlidingWindowCache(NamedTuple):
+    """Decoding state. The ring holds the last (window - 1) * dilation + 1 keys (slot = position % size);
+    the prefix holds every key up to the last global position (global rows see all earlier keys)."""
+
+    ring_k: torch.Tensor  # [B, H, R, Dk]
+    ring_v: torch.Tensor  # [B, H, R, Dv]
+    prefix_k: torch.Tensor  # [B, H, P, Dk], P = min(pos, last global position + 1)
+    prefix_v: torch.Tensor  # [B, H, P, Dv]
+    pos: int  # tokens seen so far
+
+
+def _band_reach(window: int, dilation: int, causal: bool) -> Tuple[int, int]:
+    """How far (in positions) the band reaches back and forward."""
+    if causal:
+        return (window - 1) * dilation, 0
+    h = (window // 2) * dilation
+    return h, h
+
+
+def _in_band(offset: torch.Tensor, window: int, dilation: int, causal: bool) -> torch.Tensor:
+    """offset = query position - key position -> bool, same shape."""
+    back, fwd = _band_reach(window, dilation, causal)
+    return (offset <= back) & (offset >= -fwd) & (offset % dilation == 0)
+
+
+def global_positions(global_tokens, T: Optional[int], device=None) -> Optional[torch.Tensor]:
+    """A bool mask [T] or a sequence/tensor of positions -> sorted unique int64 positions (or None).
+
+    T is the sequence length to check against; None (decoding) allows any non-negative position.
+    """
+    if global_tokens is None:
+        return None
+    if isinstance(global_tokens, torch.Tensor) and global_tokens.dtype == torch.bool:
+        if global_tokens.dim() != 1 or (T is not None and global_tokens.shape[0] != T):
+            raise ValueError(
+                f"global_tokens as a bool mask must have shape [T] = [{T}], got {tuple(global_tokens.shape)}"
+            )
+        idx = global_tokens.nonzero().flatten()
+    else:
+        try:
+            idx = torch.as_tensor(global_tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"global_tokens must be a bool mask [T] or a list of int positions, got {type(global_tokens).__name__}"
+            ) from None
+        if idx.numel() and (idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.dim() != 1):
+            raise TypeError(
+                f"global_tokens must be a bool mask [T] or a 1-d list of int positions, got {global_tokens!r}"
+            )
+        idx = idx.long().flatten()
+        if idx.numel() and (idx.min() < 0 or (T is not None and idx.max() >= T)):
+            raise ValueError(f"global_tokens positions must lie in [0, {T}), got {idx.tolist()}")
+    idx = torch.unique(idx)  # sorted
+    return idx.to(device) if device is not None else idx
+
+
+def _check_common(window, dilation, causal, scale):
+    check_positive_int("window", window)
+    check_positive_int("dilation", dilation)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {scale!r}")
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    dilation: int = 1,
+    causal: bool = True,
+    global_tokens=None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Banded softmax attention. q, k: [B, T, H, Dk], v: [B, T, H, Dv] -> o [B, T, H, Dv].
+
+    scale defaults to 1/sqrt(Dk). global_tokens: None, a bool mask [T] or a list of positions.
+    """
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    _check_common(window, dilation, causal, scale)
+    gidx = global_positions(global_tokens, T, q.device)
+    scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
+    dtype = compute_dtype(q.dtype)
+    qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
+    qh = qh * scale
+    back, fwd = _band_reach(window, dilation, causal)
+    C = min(T, max(32, min(window * dilation, 128)))  # query block; keys per block L = C + back + fwd
+    n = -(-T // C)
+    L = C + back + fwd
+    pad_end = n * C - T + fwd
+    kp = F.pad(kh, (0, 0, back, pad_end))  # [B,H,back+nC+fwd,Dk]
+    vp = F.pad(vh, (0, 0, back, pad_end))
+    kb = kp.unfold(2, L, C).contiguous()  # [B,H,n,Dk,L] key slice of each query block (bmm is slow on the view)
+    vb = vp.unfold(2, L, C).transpose(-1, -2).contiguous()  # [B,H,n,L,Dv]
+    qb = F.pad(qh, (0, 0, 0, n * C - T)).reshape(B, H, n, C, Dk)
+    scores = qb @ kb  # [B,H,n,C,L]
+    # query t = b*C + i, key j = b*C + l - back; allowed when in the band and 0 <= j < T
+    i = torch.arange(C, device=q.device)
+    l = torch.arange(L, device=q.device)
+    j = torch.arange(n, device=q.device)[:, None] * C + l[None, :] - back  # [n,L]
+    allowed = _in_band(i[:, None] + back - l[None, :], window, dilation, causal)[None] & ((j >= 0) & (j < T))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf")).reshape(B, H, n * C, L)[:, :, :T]  # [B,H,T,L]
+    def band_output(p):  # [B,H,T,L] probabilities -> [B,H,T,Dv]
+        pb = F.pad(p, (0, 0, 0, n * C - T)).reshape(B, H, n, C, L)
+        return (pb @ vb).reshape(B, H, n * C, Dv)[:, :, :T]
+
+    if gidx is None or gidx.numel() == 0:
+        o = band_output(scores.softmax(-1))
+    else:
+        # extra columns: every query against the global keys not already in its band (no double count)
+        t = torch.arange(T, device=q.device)
+        off = t[:, None] - gidx[None, :]  # [T,G]
+        extra = ~_in_band(off, window, dilation, causal)
+        if causal:
+            extra &= off > 0
+        sg = (qh @ kh[:, :, gidx].transpose(-1, -2)).masked_fill(~extra, float("-inf"))  # [B,H,T,G]
+        p = torch.cat([scores, sg], dim=-1).softmax(-1)  # [B,H,T,L+G]
+        o = band_output(p[..., :L]) + p[..., L:] @ vh[:, :, gidx]
+        # global rows: dense softmax over every key (every earlier key when causal); [G,T] scores only
+        sgl = qh[:, :, gidx] @ kh.transpose(-1, -2)  # [B,H,G,T]
+        if causal:
+            sgl = sgl.masked_fill(t[None, :] > gidx[:, None], float("-inf"))
+        o = o.index_copy(2, gidx, sgl.softmax(-1) @ vh)
+    return o.transpose(1, 2).to(q.dtype)  # [B,T,H,Dv]
+
+
+def sliding_window_cache(
+    k: torch.Tensor, v: torch.Tensor, *, window: int, dilation: int = 1, global_tokens=None
+) -> SlidingWindowCache:
+    """The causal decoding cache after the tokens k [B, T, H, Dk], v [B, T, H, Dv] (e.g. a prompt)."""
+    B, T, H, Dk, Dv = check_qkv(k, k, v)
+    _check_common(window, dilation, True, None)
+    R = (window - 1) * dilation + 1
+    dtype = compute_dtype(k.dtype)
+    kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
+    ring_k = kh.new_zeros(B, H, R, Dk)
+    ring_v = vh.new_zeros(B, H, R, Dv)
+    last = torch.arange(max(0, T - R), T, device=k.device)
+    ring_k[:, :, last % R] = kh[:, :, last]
+    ring_v[:, :, last % R] = vh[:, :, last]
+    gidx = global_positions(global_tokens, None)
+    P = 0 if gidx is None or gidx.numel() == 0 else min(T, int(gidx.max()) + 1)
+    return SlidingWindowCache(ring_k, ring_v, kh[:, :, :P], vh[:, :, :P], T)
+
+
+def sliding_window_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: Optional[SlidingWindowCache] = None,
+    *,
+    window: int,
+    dilation: int = 1,
+    global_tokens=None,
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, SlidingWindowCache]:
+    """One causal token: q, k [B, H, Dk], v [B, H, Dv] -> (o [B, H, Dv], cache).
+
+    Memory is constant in the generated length: (window - 1) * dilation + 1 ring entries plus the
+    keys up to the last global position. global_tokens: positions (absolute, from 0) or a bool mask.
+    """
+    B, _, H, Dk, Dv = check_qkv(q, k, v, layout="[B, H, D]")
+    _check_common(window, dilation, True, scale)
+    gidx = global_positions(global_tokens, None)
+    gidx = gidx if gidx is not None and gidx.numel() else None
+    scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
+    dtype = compute_dtype(q.dtype)
+    R = (window - 1) * dilation + 1
+    if cache is None:
+        cache = SlidingWindowCache(
+            q.new_zeros(B, H, R, Dk, dtype=dtype), q.new_zeros(B, H, R, Dv, dtype=dtype),
+            q.new_zeros(B, H, 0, Dk, dtype=dtype), q.new_zeros(B, H, 0, Dv, dtype=dtype), 0,
+        )
+    elif (
+        not isinstance(cache, SlidingWindowCache)
+        or cache.ring_k.shape != (B, H, R, Dk)
+        or cache.ring_k.dtype != dtype
+    ):
+        raise ValueError(
+            f"cache must be a SlidingWindowCache with a ring of shape {[B, H, R, Dk]} in {dtype} "
+            "(same window, dilation and batch as the calls that built it)"
+        )
+    p = cache.pos
+    qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
+    ring_k, ring_v = cache.ring_k.clone(), cache.ring_v.clone()
+    ring_k[:, :, p % R] = kd
+    ring_v[:, :, p % R] = vd
+    prefix_k, prefix_v = cache.prefix_k, cache.prefix_v
+    if gidx is not None and p <= int(gidx.max()):
+        prefix_k = torch.cat([prefix_k, kd[:, :, None]], dim=2)
+        prefix_v = torch.cat([prefix_v, vd[:, :, None]], dim=2)
+    new_cache = SlidingWindowCache(ring_k, ring_v, prefix_k, prefix_v, p + 1)
+    if gidx is not None and bool((gidx == p).any()):  # a global row: every key so far
+        s = torch.einsum("bhd,bhjd->bhj", qd, prefix_k)
+        return torch.einsum("bhj,bhjd->bhd", s.softmax(-1), prefix_v).to(q.dtype), new_cache
+    slot_pos = p - torch.arange(R, device=q.device)  # positions the band may hold, newest first
+    band = (slot_pos >= 0) & (torch.arange(R, device=q.device) % dilation == 0)
+    keys_k, keys_v = ring_k[:, :, slot_pos % R], ring_v[:, :, slot_pos % R]  # [B,H,R,D]
+    mask = band
+    if gidx is not None:
+        g = gidx[(gidx < p) & ~_in_band(p - gidx, window, dilation, True)].to(q.device)
+        keys_k = torch.cat([keys_k, prefix_k[:, :, g]], dim=2)
+        keys_v = torch.cat([keys_v, prefix_v[:, :, g]], dim=2)
+        mask = torch.cat([band, torch.ones_like(g, dtype=torch.bool)])
+    s = torch.einsum("bhd,bhjd->bhj", qd, keys_k).masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhj,bhjd->bhd", s.softmax(-1), keys_v).to(q.dtype), new_cache
+
+
+def sliding_window_attention_reference(
+    q, k, v, *, window, dilation=1, causal=True, global_tokens=None, scale=None
+) -> torch.Tensor:
+    """Plain float64 definition for tests: the T x T pattern entry by entry, then a masked softmax."""
+    q, k, v = q.double(), k.double(), v.double()
+    T, Dk = q.shape[1], q.shape[-1]
+    scale = 1.0 / math.sqrt(Dk) if scale is None else scale
+    if global_tokens is None:
+        glob = set()
+    elif isinstance(global_tokens, torch.Tensor) and global_tokens.dtype == torch.bool:
+        glob = {i for i in range(T) if global_tokens[i]}
+    else:
+        glob = {int(i) for i in global_tokens}
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    for t in range(T):
+        for j in range(T):
+            if causal and j > t:
+                continue
+            d = t - j
+            in_band = (d % dilation == 0) and (
+                0 <= d <= (window - 1) * dilation if causal else abs(d) <= (window // 2) * dilation
+            )
+            allowed[t, j] = in_band or t in glob or j in glob
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v)
