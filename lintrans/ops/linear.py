@@ -86,6 +86,7 @@ def _chunked(fq, fk, v, S0, chunk):
     """LT_chunked: states only at chunk boundaries, attention inside each chunk. Any T."""
     B, H, T, Fd = fq.shape
     E = v.shape[-1]
+    chunk = min(chunk, T)  # a chunk longer than the sequence would only add padding
     pad = (-T) % chunk
     if pad:  # zero keys and values add nothing to the state; padded outputs are dropped
         fq, fk, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))
@@ -175,19 +176,27 @@ def linear_attention(
     ``state_parallel``, ``chunked`` (all equal; ``chunked`` is the fast one for long T).
     feature_map: a name (``identity``, ``elu``, ``relu``, ``softplus``, ``based``), a callable
     ``[..., D] -> [..., F]`` (e.g. a module from ``lintrans.nn.feature_maps``) or a pair of callables
-    (phi_q, phi_k). chunk_size: the chunk of ``chunked`` and the block of ``attention_blocked``.
+    (phi_q, phi_k). chunk_size: the chunk of ``chunked`` and the block of ``attention_blocked``, or
+    ``"auto"``: the fastest measured on this machine (``lintrans.bench.tune``, cached on disk).
     state: ``(S [B, H, F, Dv], z [B, H, F])`` in float32 (float64 for float64 inputs), returned when
     ``output_final_state``; pass it back as ``initial_state`` to continue the sequence.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     if not isinstance(form, str) or form not in FORMS:
         raise ValueError(f"form must be one of {list(FORMS)}, got {form!r}")
-    check_positive_int("chunk_size", chunk_size)
+    if isinstance(chunk_size, str) and chunk_size != "auto" or not isinstance(chunk_size, (int, str)):
+        raise TypeError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
+    if chunk_size != "auto":
+        check_positive_int("chunk_size", chunk_size)
     _check_scalars(normalize, scale, eps)
     out_dtype = q.dtype
     fq, fk = _featurize(q, k, feature_map, scale)  # [B,T,H,F]
     dtype = fq.dtype
     Fd = fq.shape[-1]
+    if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
+        from lintrans.bench.tune import auto_chunk_size
+
+        chunk_size = auto_chunk_size(T, Dv, Fd, dtype, q.device)
     if initial_state is None:
         S0 = torch.zeros(B, H, Fd, Dv + 1, dtype=dtype, device=q.device)
     else:

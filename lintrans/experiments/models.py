@@ -1,0 +1,75 @@
+"""Models for the experiments: the GPT itself for token tasks, and the GPT's blocks between a linear
+read-in and read-out of vectors for regression. Attention kinds are given as short specs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lintrans.models.config import GPTConfig
+from lintrans.models.gpt import GPT
+from lintrans.nn.registry import available_attention
+
+
+def _option_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_attention(spec: str) -> tuple[str, dict]:
+    """``softmax`` | ``linear:based`` (feature map) | ``NAME:key=value,...`` -> (attention, attention_options)."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"attention spec must be a non-empty string such as 'softmax' or 'linear:elu', got {spec!r}")
+    name, _, rest = spec.partition(":")
+    if name not in available_attention():
+        raise ValueError(f"attention spec {spec!r}: attention must be one of {available_attention()}, got {name!r}")
+    options: dict = {}
+    if rest and "=" not in rest:
+        if name != "linear":
+            raise ValueError(f"attention spec {spec!r}: a bare option (feature map) is only for 'linear'; "
+                             "use NAME:key=value,... for other options")
+        from lintrans.nn.attention import feature_map_names
+
+        if rest not in feature_map_names():
+            raise ValueError(f"attention spec {spec!r}: feature map must be one of {feature_map_names()}, got {rest!r}")
+        options["feature_map"] = rest
+    elif rest:
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise ValueError(f"attention spec {spec!r}: options must be key=value, got {item!r}")
+            options[key] = _option_value(value)
+    return name, options
+
+
+class VectorGPT(nn.Module):
+    """x [B, T, in_dim] -> [B, T, out_dim]: linear read-in, the GPT's positions, blocks and final
+    LayerNorm (taken from a ``GPT`` so initialisation is the GPT's), linear read-out."""
+
+    def __init__(self, config: GPTConfig, in_dim: int, out_dim: int = 1):
+        super().__init__()
+        gpt = GPT(config.replace(vocab_size=1))  # token embedding and head are dropped below
+        self.config = gpt.config
+        self.read_in = nn.Linear(in_dim, config.n_embd)
+        self.transformer = gpt.transformer
+        del self.transformer["wte"]
+        self.read_out = nn.Linear(config.n_embd, out_dim)
+        for layer in (self.read_in, self.read_out):
+            GPT._init_weights(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.read_in.in_features:
+            raise ValueError(f"x must be a tensor [B, T, {self.read_in.in_features}], got {getattr(x, 'shape', x)}")
+        T = x.shape[1]
+        if "wpe" in self.transformer and T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        h = self.read_in(x)  # [B,T,C]
+        if "wpe" in self.transformer:
+            h = h + self.transformer.wpe(torch.arange(T, device=x.device))
+        h = self.transformer.drop(h)
+        for block in self.transformer.h:
+            h, _ = block(h)
+        return self.read_out(self.transformer.ln_f(h))  # [B,T,out_dim]

@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from lintrans.experiments.tasks import least_squares_errors, recall_batch, regression_batch, regression_tokens
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_regression_targets_are_exactly_linear():
+    xs, ys, w = regression_batch(7, 9, 4, gen())
+    assert xs.shape == (7, 9, 4) and ys.shape == (7, 9) and w.shape == (7, 4)
+    expected = (xs.double() * w.double()[:, None, :]).sum(-1)
+    torch.testing.assert_close(ys.double(), expected, atol=1e-5, rtol=1e-5)
+    # each sequence has its own w
+    assert not torch.allclose(w[0], w[1])
+
+
+def test_regression_is_seeded():
+    a = regression_batch(3, 5, 2, gen(1))
+    b = regression_batch(3, 5, 2, gen(1))
+    c = regression_batch(3, 5, 2, gen(2))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[0], c[0])
+
+
+def test_regression_tokens_interleave_x_and_y():
+    xs, ys, _ = regression_batch(2, 4, 3, gen())
+    seq = regression_tokens(xs, ys)
+    assert seq.shape == (2, 7, 3)
+    assert torch.equal(seq[:, 0::2], xs)
+    assert torch.equal(seq[:, 1::2, 0], ys[:, :3])
+    assert torch.all(seq[:, 1::2, 1:] == 0)
+
+
+def test_least_squares_is_exact_once_examples_reach_the_dimension():
+    xs, ys, _ = regression_batch(16, 8, 3, gen())
+    err = least_squares_errors(xs, ys)
+    assert err.shape == (16, 8)
+    assert torch.all(err[:, 3:] < 1e-8)  # k >= n examples determine w
+    assert torch.equal(err[:, 0], ys[:, 0].double() ** 2)  # no examples: predict 0
+    assert err[:, 1].mean() > 0.1  # one example in 3 dimensions cannot pin w down
+
+
+def test_recall_answers_are_the_values_paired_with_the_keys():
+    P, Q, K, V = 6, 4, 10, 7
+    idx, targets = recall_batch(32, P, Q, K, V, gen())
+    assert idx.shape == targets.shape == (32, 2 * (P + Q))
+    keys, values = idx[:, : 2 * P : 2], idx[:, 1 : 2 * P : 2]
+    assert torch.all(keys < K) and torch.all((values >= K) & (values < K + V))
+    for b in range(32):
+        assert len(set(keys[b].tolist())) == P  # distinct keys
+        pairs = dict(zip(keys[b].tolist(), values[b].tolist()))
+        queries = idx[b, 2 * P :: 2].tolist()
+        assert len(set(queries)) == Q
+        for j, q in enumerate(queries):
+            pos = 2 * P + 2 * j
+            assert targets[b, pos] == pairs[q]
+            assert idx[b, pos + 1] == pairs[q]  # teacher-forced answer follows its query
+    asked = targets >= 0
+    assert asked.sum() == 32 * Q
+    assert torch.all(asked[:, 2 * P :: 2])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_pairs=5, n_queries=2, n_keys=4, n_values=3), "n_pairs"),
+    (dict(n_pairs=3, n_queries=4, n_keys=8, n_values=3), "n_queries"),
+    (dict(n_pairs=0, n_queries=0, n_keys=8, n_values=3), "n_pairs"),
+])
+def test_recall_rejects_bad_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        recall_batch(2, **kwargs)
+
+
+def test_regression_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="dim"):
+        regression_batch(2, 3, 0)
+    with pytest.raises(TypeError, match="n_points"):
+        regression_batch(2, 2.5, 3)
