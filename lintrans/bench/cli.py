@@ -1,0 +1,184 @@
+"""`lintrans bench ops|train|generate|all --profile quick|full [--out DIR]`.
+
+Each benchmark prints a table (time per step against T, one row per algorithm), and with ``--out``
+writes ``<out>/<name>.json`` (rows + machine + settings), ``.csv``, ``.md`` and a log-log ``.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .measure import Caps, Point
+
+BENCHMARKS = ("ops", "train", "generate")
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    out, T = [], lo
+    while T <= hi:
+        out.append(T)
+        T *= 2
+    return out
+
+
+@dataclass
+class Profile:
+    ops_T: list[int]
+    train_T: list[int]
+    generate_T: list[int]
+    sizes: tuple[str, ...]
+    forms: tuple[str, ...]
+    caps: Caps
+    ops_only: Optional[list[str]] = None
+    notes: dict = field(default_factory=dict)
+
+
+def profiles() -> dict[str, Profile]:
+    from .train import LINEAR_FORMS, SIZES
+
+    return {
+        # small enough for `make demo` (< 3 minutes on 2 cores): one model size, short time caps
+        "quick": Profile(
+            ops_T=powers_of_two(256, 8192), train_T=powers_of_two(256, 8192), generate_T=powers_of_two(256, 8192),
+            sizes=("4L-128",), forms=("chunked", "attention", "state_parallel"),
+            caps=Caps(time_s=8.0, repeats=3, budget_s=1.0),
+        ),
+        "full": Profile(
+            ops_T=powers_of_two(256, 65536), train_T=powers_of_two(256, 32768), generate_T=powers_of_two(256, 16384),
+            sizes=("4L-128", "6L-384", "12L-768 (GPT-2 124M)"), forms=LINEAR_FORMS, caps=Caps(time_s=60.0, repeats=5, budget_s=10.0),
+        ),
+    }
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", nargs="?", default="all", choices=BENCHMARKS + ("all",))
+    p.add_argument("--profile", default="quick", choices=["quick", "full"])
+    p.add_argument("--out", type=Path, default=None, help="write JSON/CSV/MD/PNG into this folder")
+    p.add_argument("--max-T", type=int, default=None, help="longest context to try (overrides the profile)")
+    p.add_argument("--time-cap", type=float, default=None, help="seconds per step past which a curve stops")
+    p.add_argument("--memory-cap-gb", type=float, default=None,
+                   help="predicted peak past which a curve stops (default: half the available memory)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--ops", nargs="+", default=None, help="op series to include (substrings, e.g. chunked softmax)")
+    p.add_argument("--device", default="cpu")
+
+
+def _available_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class Progress:
+    """A progress bar over the planned points, naming the point just measured."""
+
+    def __init__(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def __call__(self, point: Point) -> None:
+        t = f"{point.time_s * 1e3:.0f}ms" if point.time_s else point.status
+        self.bar.set_postfix_str(f"{point.series} T={point.T}: {t}"[:70])
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Optional[Path] = None) -> dict:
+    """Run one benchmark; print its table; write results when ``out``. Returns {'rows', 'headline', ...}."""
+    from .machine import machine_info
+    from .plots import plot_sweep
+    from .report import headline, speedup, table, write_results
+
+    t0 = time.perf_counter()
+    if which == "ops":
+        from .ops import op_series, run_ops
+        from .tune import auto_chunk_size
+
+        chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device)  # noqa: E731 (elu: F = D)
+        n = len(op_series(64)) * len(prof.ops_T)
+        bar = Progress(n, "ops")
+        points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, device=device, on_point=bar)
+        title = "causal attention op, forward + backward (B=1, H=8, D=64, float32)"
+        comparisons = [("linear chunked", "softmax (SDPA)")]
+    elif which == "train":
+        from .train import run_train
+
+        n = len(prof.sizes) * (len(prof.forms) + 1) * len(prof.train_T)
+        bar = Progress(n, "train")
+        points = run_train(prof.train_T, prof.caps, sizes=prof.sizes, forms=prof.forms, device=device, on_point=bar)
+        title = "GPT training step (forward + backward + AdamW), batch 1, vocab 50257"
+        comparisons = [(f"{s} linear chunked", f"{s} softmax (SDPA)") for s in prof.sizes]
+    else:
+        from .generate import run_generate
+
+        bar = Progress(2 * len(prof.generate_T), "generate")
+        points = run_generate(prof.generate_T, prof.caps, size=prof.sizes[0], device=device, on_point=bar)
+        title = f"time per generated token, GPT {prof.sizes[0]}, after a prefill of T tokens"
+        comparisons = [("linear state", "softmax KV cache")]
+    bar.close()
+    rows = [p.row() for p in points]
+    speedups = [speedup(rows, fast, slow) for fast, slow in comparisons]
+    verb = "decodes" if which == "generate" else "runs" if which == "ops" else "trains"
+    lines = [headline(s, verb) for s in speedups]
+    print(f"\n== {which}: {title}  [{time.perf_counter() - t0:.0f}s]")
+    print("time per step, ms (s where marked):")
+    print(table(rows, "time_s"))
+    if any(r.get("peak_bytes") for r in rows):
+        print("peak memory above the start of the step (MiB; prefill for generate):")
+        print(table(rows, "peak_bytes"))
+    if any(r.get("cache_bytes") for r in rows):
+        print("cache kept for decoding (MiB):")
+        print(table(rows, "cache_bytes"))
+    for line in lines:
+        print("headline:", line)
+    result = {"rows": rows, "speedups": speedups, "headline": " | ".join(lines), "title": title}
+    if out is not None:
+        info = machine_info(device)
+        meta = {"benchmark": which, "title": title, "machine": info, "caps": prof.caps.__dict__,
+                "headline": result["headline"], "speedups": speedups,
+                "memory_method": "peak RSS rise during one step (VmHWM after clear_refs; malloc mmap threshold 128 KiB)"}
+        paths = write_results(out, which, rows, meta)
+        sub = f"{info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}"
+        # generation: what decoding keeps (KV cache vs state) says more than the prefill's peak
+        second = ("cache_bytes", "cache (MiB)") if which == "generate" else ("peak_bytes", "peak memory (MiB)")
+        ylabel = "seconds per token" if which == "generate" else "seconds per step"
+        paths["png"] = plot_sweep(rows, Path(out) / f"{which}.png", title, ylabel=ylabel, second=second, subtitle=sub)
+        print("wrote", ", ".join(str(p) for p in paths.values()))
+    return result
+
+
+def build_profile(args) -> Profile:
+    prof = profiles()[args.profile]
+    if args.max_T:
+        prof.ops_T = powers_of_two(256, args.max_T)
+        prof.train_T = powers_of_two(256, args.max_T)
+        prof.generate_T = powers_of_two(256, args.max_T)
+    if args.time_cap:
+        prof.caps.time_s = args.time_cap
+    mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2
+    prof.caps.memory_bytes = int(mem) or None
+    prof.ops_only = args.ops
+    return prof
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prof = build_profile(args)
+    for which in BENCHMARKS if args.which == "all" else (args.which,):
+        run_benchmark(which, prof, device=args.device, out=args.out)
+    return 0

@@ -1,0 +1,196 @@
+"""A cost model of the GPT: parameters, FLOPs, cache bytes and arithmetic intensity per component.
+
+Seed 001's accounting (a matmul [N, P] x [P, M] costs 2NPM FLOPs forward and 4NPM backward, so a
+training step is 3x the forward) extended to linear attention. Notation: B batch, T context, L
+layers, D model width, N query heads, K key/value heads, h head dim, V vocabulary, F feature
+dimension of the linear map, c chunk size. Per layer, forward:
+
+    q, k, v projections   2 B T D (N + 2K) h          output projection   2 B T D^2
+    MLP (GELU, 4D)        16 B T D^2                  (SwiGLU: 6 B T D Fh with Fh ~ 8D/3)
+    softmax attention     4 B N T^2 h                 (QK^T and AV, dense, as FLOP counters count it)
+    linear, chunked       4 B N T' F E + 2 B N T' c (F + E)      T' = T rounded up to chunks
+    linear, attention     2 B N T^2 (F + E) + 4 B N T F E
+and once: the LM head 2 B T D V. E = h + 1: the implementation carries the normaliser as an extra
+value column. Element-wise work (softmax, feature maps, layer norms, cumulative sums) is left out,
+as in seed 001; it is small beside the matmuls but not free on a CPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+@dataclass
+class ModelShape:
+    """What the cost depends on; ``from_config`` reads a ``GPTConfig``."""
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_kv_head: Optional[int] = None
+    bias: bool = True
+    mlp: str = "gelu"
+    attention: str = "softmax"  # softmax | linear
+    form: str = "chunked"
+    chunk_size: int = 64
+    feature_dim: Optional[int] = None  # None: the head dim (elu, relu, softplus, identity)
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        opts = dict(getattr(config, "attention_options", {}) or {})
+        hd = config.n_embd // config.n_head
+        fdim = None
+        if config.attention == "linear" and isinstance(opts.get("feature_map", "elu"), str):
+            from .tune import feature_dim_of
+
+            fdim = feature_dim_of(opts.get("feature_map", "elu"), hd)
+        chunk = opts.get("chunk_size", 64)
+        return cls(
+            n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, vocab_size=config.vocab_size,
+            block_size=config.block_size, n_kv_head=config.n_kv_head, bias=config.bias, mlp=config.mlp,
+            attention=config.attention, form=opts.get("form", "chunked"),
+            chunk_size=chunk if isinstance(chunk, int) else 64, feature_dim=fdim,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def F(self) -> int:
+        return self.feature_dim or self.head_dim
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 4 * self.n_embd if self.mlp == "gelu" else 8 * ((8 * self.n_embd // 3 + 7) // 8)
+
+
+def parameters(m: ModelShape, learned_positions: bool = True) -> dict[str, int]:
+    """Parameter count per component (tied embedding counted once, as ``embedding``)."""
+    D, h, N, K, b = m.n_embd, m.head_dim, m.n_head, m.kv_heads, int(m.bias)
+    ln = (1 + b) * D
+    attn = D * (N + 2 * K) * h + b * (N + 2 * K) * h + D * D + b * D
+    n_in = 1 if m.mlp == "gelu" else 2
+    mlp = n_in * D * m.mlp_hidden + b * n_in * m.mlp_hidden + m.mlp_hidden * D + b * D
+    out = {
+        "embedding": m.vocab_size * D,
+        "positions": m.block_size * D if learned_positions else 0,
+        "attention projections": m.n_layer * attn,
+        "mlp": m.n_layer * mlp,
+        "layer norms": (2 * m.n_layer + 1) * ln,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def attention_core_flops(m: ModelShape, T: int, B: int = 1) -> float:
+    """Forward FLOPs of the attention mechanism itself (all layers), without its projections."""
+    N, h = m.n_head, m.head_dim
+    if m.attention == "softmax":
+        per_layer = 4 * B * N * T * T * h
+    elif m.attention == "linear":
+        F, E, c = m.F, h + 1, m.chunk_size
+        state_terms = 4 * B * N * T * F * E  # phi(k)^T v into the state, phi(q) S out of it
+        if m.form == "chunked":
+            Tp = math.ceil(T / c) * c
+            per_layer = 4 * B * N * Tp * F * E + 2 * B * N * Tp * c * (F + E)
+        elif m.form == "attention":
+            per_layer = 2 * B * N * T * T * (F + E) + state_terms
+        elif m.form == "attention_blocked":
+            inner = sum((min(s + c, T) - s) * min(s + c, T) for s in range(0, T, c))
+            per_layer = 2 * B * N * inner * (F + E) + state_terms
+        elif m.form == "attention_loop":
+            per_layer = B * N * T * (T + 1) * (F + E) + state_terms
+        else:  # state_parallel, state_loop: one F x E contraction per token (plus T F E element-wise)
+            per_layer = 2 * B * N * T * F * E
+    else:
+        raise ValueError(f"attention must be 'softmax' or 'linear' for the cost model, got {m.attention!r}")
+    return float(m.n_layer * per_layer)
+
+
+def forward_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
+    """Forward FLOPs per component for B sequences of T tokens."""
+    D, h, N, K = m.n_embd, m.head_dim, m.n_head, m.kv_heads
+    n_in = 1 if m.mlp == "gelu" else 2
+    out = {
+        "qkv projections": m.n_layer * 2.0 * B * T * D * (N + 2 * K) * h,
+        "output projection": m.n_layer * 2.0 * B * T * D * D,
+        "mlp": m.n_layer * 2.0 * B * T * D * m.mlp_hidden * (n_in + 1),
+        "attention": attention_core_flops(m, T, B),
+        "lm head": 2.0 * B * T * D * m.vocab_size,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def training_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
+    """Forward + backward: 3x the forward for every matmul (seed 001)."""
+    return {k: 3 * v for k, v in forward_flops(m, T, B).items()}
+
+
+def attention_crossover(m: ModelShape, T_max: int = 1 << 24) -> Optional[int]:
+    """Smallest T at which attention FLOPs exceed all the other FLOPs, None if not below ``T_max``."""
+    def attn_wins(T):
+        f = forward_flops(m, T)
+        return f["attention"] > f["total"] - f["attention"]
+
+    if not attn_wins(T_max):
+        return None
+    lo, hi = 1, T_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if attn_wins(mid) else (mid + 1, hi)
+    return lo
+
+
+def cache_bytes(m: ModelShape, T: int, B: int = 1, dtype: str = "float32") -> dict[str, int]:
+    """What generation keeps per sequence: the softmax KV cache grows with T, the linear state does not."""
+    kv = 2 * B * m.n_layer * m.kv_heads * m.head_dim * T * DTYPE_BYTES[dtype]
+    state = B * m.n_layer * m.n_head * m.F * (m.head_dim + 1) * 4  # S and z, always float32
+    return {"kv cache": kv, "linear state": state}
+
+
+def arithmetic_intensity(m: ModelShape, T: int, B: int = 1, dtype: str = "float32") -> dict[str, float]:
+    """FLOPs per byte of the minimum memory traffic (inputs + weights + outputs), forward, per layer."""
+    b = DTYPE_BYTES[dtype]
+    D, h, N, K = m.n_embd, m.head_dim, m.n_head, m.kv_heads
+    BT = B * T
+
+    def matmul(rows, inner, cols):
+        return 2 * rows * inner * cols / ((rows * inner + inner * cols + rows * cols) * b)
+
+    qkvo = 4 * B * T * N * h * b  # read q, k, v, write o
+    softmax = 4 * B * N * T * T * h / qkvo
+    one_layer = ModelShape(**{**m.__dict__, "n_layer": 1, "attention": "linear", "form": "chunked"})
+    n_chunks = math.ceil(T / m.chunk_size)
+    chunk_state_io = 2 * B * N * n_chunks * m.F * (h + 1) * 4
+    linear = attention_core_flops(one_layer, T, B) / (qkvo + chunk_state_io)
+    # one decode step: the KV cache is read whole for 4 N T h FLOPs; the state is read and written
+    kv_decode = 4 * B * N * T * h / (2 * B * K * T * h * b)
+    state_decode = 4 * B * N * m.F * (h + 1) / (2 * B * N * m.F * (h + 1) * 4)
+    return {
+        "qkv projection": matmul(BT, D, (N + 2 * K) * h),
+        "mlp up": matmul(BT, D, m.mlp_hidden),
+        "lm head": matmul(BT, D, m.vocab_size),
+        "softmax attention (flash)": softmax,
+        "linear attention (chunked)": linear,
+        "decode: softmax over KV cache": kv_decode,
+        "decode: linear state": state_decode,
+        "decode: weights (any layer)": 2 / b,
+    }
+
+
+def mfu(flops: float, step_time_s: float, peak_flops: float) -> float:
+    """Model FLOP utilisation: achieved FLOP/s over the machine's measured peak."""
+    if step_time_s <= 0 or peak_flops <= 0:
+        raise ValueError("step_time_s and peak_flops must be positive")
+    return flops / step_time_s / peak_flops

@@ -1,0 +1,95 @@
+"""`lintrans cost`: parameters, FLOPs per component, where attention overtakes the rest, KV cache
+against recurrent state, arithmetic intensity and (given a measured step time) MFU."""
+from __future__ import annotations
+
+import argparse
+
+from .cost import (
+    ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
+    training_flops,
+)
+from .train import SIZES, VOCAB
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", choices=list(SIZES), default=None, help="a benchmark model size (sets the next three)")
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--n-kv-head", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu")
+    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384], help="context lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--form", default="chunked", help="linear form for the linear columns")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--feature-map", default="elu", help="sets the feature dimension F")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--step-time", type=float, nargs="+", default=None,
+                   help="measured seconds per training step, one per --T (softmax model): prints MFU")
+    p.add_argument("--linear-step-time", type=float, nargs="+", default=None, help="the same for the linear model")
+    p.add_argument("--peak-tflops", type=float, default=None, help="skip measuring the matmul peak")
+
+
+def _g(x: float) -> str:
+    for unit, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= f:
+            return f"{x / f:.2f}{unit}"
+    return f"{x:.2f}"
+
+
+def _b(n: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= f:
+            return f"{n / f:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def run(args) -> int:
+    if args.size:
+        args.n_layer, args.n_head, args.n_embd = SIZES[args.size]
+    from .tune import feature_dim_of
+
+    common = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
+                  block_size=max(args.T), n_kv_head=args.n_kv_head, mlp=args.mlp)
+    soft = ModelShape(**common, attention="softmax")
+    lin = ModelShape(**common, attention="linear", form=args.form, chunk_size=args.chunk_size,
+                     feature_dim=feature_dim_of(args.feature_map, args.n_embd // args.n_head))
+    print(f"model: L={args.n_layer} N={args.n_head} D={args.n_embd} h={soft.head_dim} V={args.vocab} "
+          f"mlp={args.mlp}; linear: {args.form}, c={args.chunk_size}, {args.feature_map} (F={lin.F}); B={args.batch}")
+    print("\nparameters:")
+    for k, v in parameters(soft).items():
+        print(f"  {k:<24}{v:>14,}")
+    B = args.batch
+    for T in args.T:
+        fs, fl = training_flops(soft, T, B), training_flops(lin, T, B)
+        print(f"\ntraining FLOPs per step at T = {T} (forward + backward = 3x forward):")
+        print(f"  {'component':<22}{'softmax':>12}{'linear':>12}")
+        for k in fs:
+            print(f"  {k:<22}{_g(fs[k]):>12}{_g(fl[k]):>12}")
+        print(f"  FLOP ratio softmax / linear: {fs['total'] / fl['total']:.2f}x (the most a linear model can gain)")
+        inf_s, inf_l = forward_flops(soft, T, B)["total"], forward_flops(lin, T, B)["total"]
+        print(f"  inference (forward) FLOPs: softmax {_g(inf_s)}, linear {_g(inf_l)}")
+        cb = cache_bytes(soft, T, B, args.dtype)
+        cl = cache_bytes(lin, T, B, args.dtype)
+        print(f"  generation memory: KV cache {_b(cb['kv cache'])} ({args.dtype}), linear state {_b(cl['linear state'])}")
+        ai = arithmetic_intensity(lin, T, B, args.dtype)
+        print("  arithmetic intensity (FLOPs/byte): " + ", ".join(f"{k} {v:.1f}" for k, v in ai.items()))
+    cross = attention_crossover(soft)
+    print(f"\nsoftmax attention FLOPs overtake all the other FLOPs at T = {cross}"
+          + ("" if cross is None else f" ({cross / args.n_embd:.1f} x D)"))
+    cross_l = attention_crossover(lin)
+    print(f"linear ({args.form}) attention FLOPs overtake the rest at T = {cross_l if cross_l else 'never (linear in T)'}")
+    if args.step_time or args.linear_step_time:
+        if args.peak_tflops:
+            peak = args.peak_tflops * 1e12
+        else:
+            from .machine import matmul_peak_flops
+
+            peak = matmul_peak_flops()
+        print(f"\nmatmul peak (float32, measured): {_g(peak)}FLOP/s")
+        for name, shape, times in (("softmax", soft, args.step_time), ("linear", lin, args.linear_step_time)):
+            for T, t in zip(args.T, times or []):
+                f = training_flops(shape, T, B)["total"]
+                print(f"  {name} T={T}: {_g(f / t)}FLOP/s achieved, MFU {100 * mfu(f, t, peak):.1f}%")
+    return 0

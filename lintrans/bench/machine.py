@@ -1,0 +1,58 @@
+"""What a result was measured on: CPU model, threads, torch version, device, and the matmul peak."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str = "cpu") -> dict:
+    info = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_peak_flops(n: int = 2048, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                      seconds: float = 1.0) -> float:
+    """Measured FLOP/s of one big square matmul (the practical peak that MFU is relative to)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm-up: thread pool, caches
+    synchronize(device)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    reps = 0
+    while reps < 2 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2 * n**3 / best

@@ -1,0 +1,213 @@
+"""Timing and peak memory of one step, and a sweep over context lengths that stops at a cap.
+
+Peak memory on CPU is the rise of the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs``) during one step. For that to count only what the step allocates, glibc
+hands every allocation above 128 KiB straight to mmap during that step, so freed tensors leave the
+resident set at once instead of lingering in the heap; timed steps run with fixed ordinary settings
+(blocks up to 32 MiB reused from the heap). On CUDA it is the allocator's
+``max_memory_allocated``. Where neither is available memory is reported as None.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .machine import synchronize
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_libc = None
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
+    """Set glibc's malloc thresholds; False where that is not possible (not glibc)."""
+    global _libc
+    try:
+        _libc = _libc or ctypes.CDLL("libc.so.6")
+        return (_libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+                and _libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1)
+    except (OSError, AttributeError):
+        return False
+
+
+def timing_malloc() -> None:
+    """The allocator as a long-running job sees it: blocks up to 32 MiB reused from the heap, not
+    returned to the OS after every step (glibc's dynamic threshold, made fixed so that every point
+    of a sweep runs under the same rules)."""
+    _mallopt(32 * 2**20, 1 << 30)
+
+
+def memory_malloc() -> bool:
+    """Every block over 128 KiB its own mapping, unmapped when freed: peak RSS is then exact."""
+    return _mallopt(128 * 1024, 128 * 1024)
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def peak_memory(fn: Callable[[], object], device: str = "cpu") -> Optional[int]:
+    """Bytes allocated above the starting point at the peak of one call of ``fn``."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    if not memory_malloc():
+        return None
+    try:
+        _libc.malloc_trim(0)  # hand free heap pages back, or the step could reuse them unseen
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # peak RSS := current RSS
+        start = _proc_status("VmRSS")
+        fn()
+        return max(0, _proc_status("VmHWM") - start)
+    except OSError:
+        return None
+    finally:
+        timing_malloc()
+
+
+def time_step(fn: Callable[[], object], *, device: str = "cpu", repeats: int = 5, budget_s: float = 5.0,
+              first_s: Optional[float] = None) -> list[float]:
+    """Seconds per call of ``fn`` (already warmed up), as many repeats as fit in ``budget_s`` (>= 1)."""
+    if first_s is not None:
+        repeats = max(1, min(repeats, int(budget_s / max(first_s, 1e-9))))
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class StepTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    """Raise StepTimeout in this (main) thread after ``seconds``; a no-op elsewhere."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def handler(signum, frame):
+        raise StepTimeout()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def is_oom(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return isinstance(e, MemoryError) or "out of memory" in msg or "can't allocate memory" in msg
+
+
+@dataclass
+class Caps:
+    """Where a curve stops: a step longer than ``time_s`` or a predicted peak above ``memory_bytes``."""
+
+    time_s: float = 10.0
+    memory_bytes: Optional[int] = None
+    repeats: int = 5
+    budget_s: float = 5.0
+
+
+@dataclass
+class Point:
+    series: str
+    T: int
+    status: str = "ok"  # ok | time cap | memory cap | oom | error: ...
+    time_s: Optional[float] = None
+    times_s: list = field(default_factory=list)
+    peak_bytes: Optional[int] = None
+    extra: dict = field(default_factory=dict)
+
+    def row(self) -> dict:
+        return {"series": self.series, "T": self.T, "status": self.status, "time_s": self.time_s,
+                "times_s": self.times_s, "peak_bytes": self.peak_bytes, **self.extra}
+
+
+def _growth(prev: list[Point], attr: str) -> float:
+    """Ratio to expect from the next doubling of T: the last observed one, at least 2 (linear)."""
+    vals = [getattr(p, attr) for p in prev if getattr(p, attr)]
+    if len(vals) >= 2 and vals[-2] > 0:
+        return max(2.0, min(8.0, vals[-1] / vals[-2]))
+    return 2.0
+
+
+def sweep(series: str, Ts: Iterable[int], make_step: Callable[[int], Callable[[], object]], caps: Caps, *,
+          device: str = "cpu", measure_memory: bool = True, on_point: Optional[Callable[[Point], None]] = None
+          ) -> list[Point]:
+    """Time ``make_step(T)()`` for growing T; the first point past a cap is recorded as the curve's end.
+
+    ``make_step(T)`` returns the step, or (step, extra) with facts to record beside its time.
+    """
+    timing_malloc()
+    points: list[Point] = []
+    for T in Ts:
+        ok = [p for p in points if p.status == "ok"]
+        point = Point(series, T)
+        if ok and ok[-1].time_s * _growth(ok, "time_s") > caps.time_s:
+            point.status = "time cap"
+        elif ok and caps.memory_bytes and ok[-1].peak_bytes and ok[-1].peak_bytes * _growth(ok, "peak_bytes") > caps.memory_bytes:
+            point.status = "memory cap"
+        else:
+            _measure(point, make_step, caps, device, measure_memory)
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+        if point.status != "ok":
+            break
+    return points
+
+
+def _measure(point: Point, make_step, caps: Caps, device: str, measure_memory: bool) -> None:
+    try:
+        step = make_step(point.T)
+        if isinstance(step, tuple):  # (step, facts measured while setting it up, e.g. a prefill)
+            step, extra = step
+            point.peak_bytes = extra.pop("peak_bytes", None)
+            point.extra.update(extra)
+        t0 = time.perf_counter()
+        with _alarm(3 * caps.time_s):  # a Python-level loop form can take minutes: cut it short
+            step()  # warm-up; also the first estimate of the cost
+            synchronize(device)
+        first = time.perf_counter() - t0
+        if first > caps.time_s:
+            point.status, point.time_s, point.times_s = "time cap", first, [first]
+            return
+        point.times_s = time_step(step, device=device, repeats=caps.repeats, budget_s=caps.budget_s, first_s=first)
+        point.time_s = statistics.median(point.times_s)
+        if measure_memory:
+            point.peak_bytes = peak_memory(step, device)
+    except StepTimeout:
+        point.status = "time cap"
+    except Exception as e:  # a failed point ends its curve; the benchmark goes on
+        if is_oom(e):
+            point.status = "oom"
+        else:
+            point.status = f"error: {type(e).__name__}: {e}"[:200]
+    finally:
+        step = None

@@ -1,0 +1,91 @@
+"""Attention op benchmark: forward + backward of every linear form, softmax (SDPA) and the other
+mechanisms and peers that import here, against T, side by side in one run."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .measure import Caps, Point, sweep
+
+
+class PerT:
+    """An op whose settings depend on T: ``make(T)`` returns fn(q, k, v) -> o."""
+
+    def __init__(self, make: Callable[[int], Callable]):
+        self.make = make
+
+
+def op_series(chunk_size, feature_map: str = "elu") -> dict[str, Callable]:
+    """name -> fn(q, k, v) -> o on [B, T, H, D], or a maker T -> such a fn (for a per-T chunk size).
+
+    ``chunk_size``: an int or a function T -> int.
+    """
+    from lintrans.ops import FORMS, linear_attention, softmax_attention
+
+    series: dict[str, Callable] = {"softmax (SDPA)": lambda q, k, v: softmax_attention(q, k, v)}
+    for form in FORMS:
+        def make(T, form=form):
+            # the chunk is resolved (and tuned, if it must be) here, outside the timed step
+            c = chunk_size(T) if callable(chunk_size) else chunk_size
+            return lambda q, k, v: linear_attention(q, k, v, form=form, feature_map=feature_map, chunk_size=c)[0]
+
+        series[f"linear {form}"] = PerT(make)
+    series.update(_optional_ops())
+    from .peers import peer_ops
+
+    series.update(peer_ops(feature_map))
+    return series
+
+
+def _optional_ops() -> dict[str, Callable]:
+    """AFT and sliding-window attention, where those ops are present in this build."""
+    out: dict[str, Callable] = {}
+    try:
+        from lintrans.ops.aft import aft
+
+        out["aft simple"] = lambda q, k, v: _first(aft(q, k, v, variant="simple", causal=True))
+    except ImportError:
+        pass
+    try:
+        from lintrans.ops.sliding_window import sliding_window_attention
+
+        out["sliding window 256"] = lambda q, k, v: _first(sliding_window_attention(q, k, v, window=256, causal=True))
+    except ImportError:
+        pass
+    return out
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def make_op_step(fn: Callable, T: int, *, B: int = 1, H: int = 8, D: int = 64, dtype=torch.float32,
+                 device: str = "cpu") -> Callable[[], None]:
+    if isinstance(fn, PerT):
+        fn = fn.make(T)
+    g = torch.Generator(device="cpu").manual_seed(T)
+    q, k, v = (torch.randn(B, T, H, D, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(B, T, H, D, generator=g).to(device, dtype)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        fn(q, k, v).backward(grad)
+
+    return step
+
+
+def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, H: int = 8,
+            D: int = 64, device: str = "cpu", on_point=None) -> list[Point]:
+    series = op_series(chunk_size)
+    if only:
+        unknown = [n for n in only if not any(n in s for s in series)]
+        if unknown:
+            raise ValueError(f"unknown op series {unknown}; available: {list(series)}")
+        series = {name: fn for name, fn in series.items() if any(n in name for n in only)}
+    points: list[Point] = []
+    for name, fn in series.items():
+        points += sweep(name, Ts, lambda T, fn=fn: make_op_step(fn, T, H=H, D=D, device=device), caps,
+                        device=device, on_point=on_point)
+    return points

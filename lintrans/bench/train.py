@@ -1,0 +1,77 @@
+"""Training-step benchmark: forward + backward + AdamW step of a GPT-2-style model (batch 1,
+vocabulary 50257) against context length, softmax (SDPA) against every linear form."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .measure import Caps, Point, sweep
+
+VOCAB = 50257
+# name -> (n_layer, n_head, n_embd); head dim 64 throughout, as in GPT-2
+SIZES = {
+    "4L-128": (4, 2, 128),  # the quick profile: small enough that T = 8k fits the demo's minutes
+    "2L-256": (2, 4, 256),
+    "6L-384": (6, 6, 384),
+    "12L-768 (GPT-2 124M)": (12, 12, 768),
+}
+LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
+
+
+def train_series(forms=LINEAR_FORMS) -> list[tuple[str, str, Optional[str]]]:
+    """(series name, attention, form) in plotting order."""
+    return [("softmax (SDPA)", "softmax", None)] + [(f"linear {f}", "linear", f) for f in forms]
+
+
+def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu") -> int:
+    from .tune import auto_chunk_size, feature_dim_of
+
+    return auto_chunk_size(T, head_dim, feature_dim_of(feature_map, head_dim), torch.float32, device)
+
+
+def gpt_config(size: str, T: int, attention: str, form: Optional[str], chunk_size: int = 64, **overrides):
+    from lintrans.models import GPTConfig
+
+    n_layer, n_head, n_embd = SIZES[size]
+    opts = {} if attention == "softmax" else {"form": form, "chunk_size": chunk_size}
+    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=VOCAB, block_size=T,
+                     dropout=0.0, attention=attention, attention_options=opts, **overrides)
+
+
+def make_train_step(config, T: int, device: str = "cpu"):
+    from lintrans.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(T)
+    idx = torch.randint(0, config.vocab_size, (1, T + 1), generator=g).to(device)
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORMS, device: str = "cpu",
+              tuned_chunk: bool = True, on_point=None) -> list[Point]:
+    points: list[Point] = []
+    for size in sizes:
+        head_dim = SIZES[size][2] // SIZES[size][1]
+        for name, attention, form in train_series(forms):
+            label = f"{size} {name}"
+
+            def make(T, attention=attention, form=form):
+                chunk = chunk_for(T, head_dim, device=device) if (tuned_chunk and form == "chunked") else 64
+                step = make_train_step(gpt_config(size, T, attention, form, chunk), T, device)
+                return step, {"chunk_size": chunk} if form in ("chunked", "attention_blocked") else {}
+
+            for p in sweep(label, Ts, make, caps, device=device, on_point=on_point):
+                p.extra.setdefault("size", size)
+                points.append(p)
+    return points

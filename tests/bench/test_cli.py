@@ -1,0 +1,36 @@
+"""The bench subcommands parse and run end to end on tiny settings (nothing is timed or asserted on time)."""
+import json
+
+from lintrans.bench import tune
+from lintrans.cli import main
+
+
+def test_cost_prints_every_section(capsys):
+    assert main(["cost", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--vocab", "100", "--T", "64",
+                 "--step-time", "0.5", "--peak-tflops", "1"]) == 0
+    out = capsys.readouterr().out
+    for what in ("parameters:", "training FLOPs", "KV cache", "arithmetic intensity", "overtake", "MFU"):
+        assert what in out
+
+
+def test_tune_writes_then_reads_the_cache(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_memo", {})
+    calls = []
+    monkeypatch.setattr(tune, "measure_candidate", lambda c, *a, **k: calls.append(c) or float(c))
+    assert main(["tune", "--T", "100", "--head-dim", "8"]) == 0
+    assert main(["tune", "--T", "100", "--head-dim", "8"]) == 0
+    assert calls == [32, 64, 128]
+    assert "(cached)" in capsys.readouterr().out
+    assert list(json.loads((tmp_path / "chunk_size.json").read_text()).values())[0]["chunk_size"] == 32
+
+
+def test_bench_ops_writes_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_memo", {})
+    monkeypatch.setattr(tune, "measure_candidate", lambda c, *a, **k: float(c))
+    out = tmp_path / "res"
+    assert main(["bench", "ops", "--max-T", "256", "--ops", "chunked", "softmax", "--out", str(out)]) == 0
+    data = json.loads((out / "ops.json").read_text())
+    assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked"}
+    assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0

@@ -1,0 +1,81 @@
+"""The cost model against torch's FlopCounterMode and the model's real parameter count."""
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from lintrans.bench.cost import (
+    ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
+    training_flops,
+)
+from lintrans.models import GPT, GPTConfig
+
+CONFIGS = [
+    ("softmax", {}, 96, {}),
+    ("softmax", {}, 64, {"n_kv_head": 2, "mlp": "swiglu", "bias": False}),
+    ("linear", {"form": "chunked", "chunk_size": 32}, 100, {}),  # T not a multiple of the chunk
+    ("linear", {"form": "chunked", "chunk_size": 16, "feature_map": "based"}, 48, {}),
+    ("linear", {"form": "attention"}, 64, {}),
+    ("linear", {"form": "attention_blocked", "chunk_size": 16}, 50, {}),
+    ("linear", {"form": "state_parallel"}, 40, {}),
+]
+
+
+def _model(attention, opts, extra):
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=500, block_size=128, attention=attention,
+                    attention_options=opts, **extra)
+    torch.manual_seed(0)
+    return GPT(cfg), ModelShape.from_config(cfg)
+
+
+@pytest.mark.parametrize("attention,opts,T,extra", CONFIGS)
+def test_flops_match_flop_counter(attention, opts, T, extra):
+    model, shape = _model(attention, opts, extra)
+    idx = torch.randint(0, 500, (2, T))
+    # the math backend spells SDPA out in matmuls, which the counter can see on CPU
+    with sdpa_kernel(SDPBackend.MATH):
+        with torch.no_grad(), FlopCounterMode(display=False) as fwd:
+            model(idx)
+        with FlopCounterMode(display=False) as train:
+            model(idx, idx)[1].backward()
+    assert fwd.get_total_flops() == pytest.approx(forward_flops(shape, T, 2)["total"], rel=0.05)
+    assert train.get_total_flops() == pytest.approx(training_flops(shape, T, 2)["total"], rel=0.05)
+
+
+@pytest.mark.parametrize("attention,opts,T,extra", CONFIGS[:4])
+def test_parameters_match_the_model(attention, opts, T, extra):
+    model, shape = _model(attention, opts, extra)
+    counts = parameters(shape)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["embedding"] == model.transformer.wte.weight.numel()
+
+
+def test_softmax_attention_overtakes_at_the_closed_form_context():
+    # without the LM head seed 001 gives T = 8D for attention vs matmuls with F = 4D; ours counts
+    # the same terms forward: 4 N T^2 h = 24 D^2 T  ->  T = 6D, pushed later by the LM head
+    shape = ModelShape(n_layer=12, n_head=12, n_embd=768, vocab_size=1)
+    assert attention_crossover(shape) == pytest.approx(6 * 768, abs=1)
+    with_head = ModelShape(n_layer=12, n_head=12, n_embd=768, vocab_size=50257)
+    assert attention_crossover(with_head) > 6 * 768
+    assert attention_crossover(ModelShape(attention="linear", form="chunked")) is None
+
+
+def test_kv_cache_grows_and_the_state_does_not():
+    shape = ModelShape(n_layer=2, n_head=4, n_embd=64)
+    small, large = cache_bytes(shape, 256), cache_bytes(shape, 16384)
+    assert large["kv cache"] == 64 * small["kv cache"] == 64 * 2 * 2 * 4 * 16 * 256 * 4
+    assert large["linear state"] == small["linear state"] == 2 * 4 * 16 * 17 * 4
+
+
+def test_intensity_and_mfu():
+    ai = arithmetic_intensity(ModelShape(), 4096)
+    assert ai["softmax attention (flash)"] == pytest.approx(4096 / 4)  # 4 T^2 h / (4 T h * 4 bytes)
+    assert ai["decode: softmax over KV cache"] == pytest.approx(0.5)  # reads 2 T h * 4 bytes for 4 T h FLOPs
+    assert mfu(1e12, 2.0, 1e12) == 0.5
+    with pytest.raises(ValueError, match="positive"):
+        mfu(1.0, 0.0, 1.0)
+
+
+def test_unknown_attention_rejected():
+    with pytest.raises(ValueError, match="attention must be"):
+        forward_flops(ModelShape(attention="aft"), 16)

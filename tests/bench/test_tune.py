@@ -1,0 +1,81 @@
+"""chunk_size="auto": measured once per shape class, then served from the on-disk cache."""
+import json
+
+import pytest
+import torch
+
+from lintrans.bench import tune
+from lintrans.ops import linear_attention
+
+
+@pytest.fixture
+def counted(monkeypatch, tmp_path):
+    """A fresh cache dir and a fake, instant timer that makes chunk 32 the fastest; counts calls."""
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_memo", {})
+    calls = []
+
+    def fake(chunk, fq, fk, v, S0, repeats=3):
+        calls.append(chunk)
+        return abs(chunk - 32) + 1.0
+
+    monkeypatch.setattr(tune, "measure_candidate", fake)
+    return calls
+
+
+def _qkv(T, D=8, Dv=8):
+    g = torch.Generator().manual_seed(T)
+    return torch.randn(1, T, 2, D, generator=g), torch.randn(1, T, 2, D, generator=g), torch.randn(1, T, 2, Dv, generator=g)
+
+
+def test_auto_measures_once_then_reads_the_cache(counted, tmp_path):
+    q, k, v = _qkv(100)
+    o_auto, _ = linear_attention(q, k, v, chunk_size="auto")
+    assert counted == [32, 64, 128]  # every candidate up to the T bucket (128), once
+    o_32, _ = linear_attention(q, k, v, chunk_size=32)
+    torch.testing.assert_close(o_auto, o_32)
+    entry = json.loads((tmp_path / "chunk_size.json").read_text())
+    assert [e["chunk_size"] for e in entry.values()] == [32]
+
+    linear_attention(q, k, v, chunk_size="auto")  # same process: memo
+    tune._memo.clear()  # a new process: only the file is left
+    linear_attention(*_qkv(120), chunk_size="auto")  # same T bucket
+    assert len(counted) == 3
+
+
+def test_new_shape_class_is_measured(counted):
+    linear_attention(*_qkv(100), chunk_size="auto")
+    linear_attention(*_qkv(300), chunk_size="auto")  # another T bucket
+    linear_attention(*_qkv(100, Dv=6), chunk_size="auto")  # another head dim
+    assert len(counted) == 3 + 4 + 3
+
+
+def test_key_separates_dtype_dims_and_bucket():
+    keys = {
+        tune.cache_key("cpu", torch.float32, 64, 64, 1000),
+        tune.cache_key("cpu", torch.float64, 64, 64, 1000),
+        tune.cache_key("cpu", torch.float32, 32, 64, 1000),
+        tune.cache_key("cpu", torch.float32, 64, 65, 1000),
+        tune.cache_key("cpu", torch.float32, 64, 64, 3000),
+    }
+    assert len(keys) == 5
+    assert tune.cache_key("cpu", torch.float32, 64, 64, 1000) == tune.cache_key("cpu", torch.float32, 64, 64, 1024)
+    assert tune.t_bucket(1) == 64 and tune.t_bucket(10**6) == tune.MAX_BUCKET
+
+
+def test_corrupt_cache_is_remeasured(counted, tmp_path):
+    (tmp_path / "chunk_size.json").write_text("{not json")
+    linear_attention(*_qkv(50), chunk_size="auto")
+    assert len(counted) == 2  # 32, 64 <= bucket 64
+
+
+@pytest.mark.parametrize("bad,err", [("fast", TypeError), (0, ValueError), (-4, ValueError), (2.5, TypeError),
+                                     (True, TypeError), (None, TypeError)])
+def test_invalid_chunk_size_rejected(bad, err):
+    with pytest.raises(err, match="chunk_size"):
+        linear_attention(*_qkv(8), chunk_size=bad)
+
+
+def test_real_measurement_picks_a_candidate():
+    best, timings = tune.tune_chunk_size(64, 4, 4, candidates=(16, 32), repeats=1)
+    assert best in (16, 32) and set(timings) == {16, 32} and all(t > 0 for t in timings.values())
