@@ -66,6 +66,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="predicted peak past which a curve stops (default: half the available memory)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--ops", nargs="+", default=None, help="op series to include (substrings, e.g. chunked softmax)")
+    p.add_argument("--sizes", nargs="+", default=None, help="model sizes for train/generate (default: the profile's)")
+    p.add_argument("--forms", nargs="+", default=None, help="linear forms for train (default: the profile's)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (median is kept)")
     p.add_argument("--device", default="cpu")
 
 
@@ -172,6 +175,20 @@ def build_profile(args) -> Profile:
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2
     prof.caps.memory_bytes = int(mem) or None
     prof.ops_only = args.ops
+    from .train import LINEAR_FORMS, SIZES
+
+    for name in getattr(args, "sizes", None) or ():
+        if name not in SIZES:
+            raise SystemExit(f"lintrans bench: --sizes must be among {list(SIZES)}, got {name!r}")
+    for form in getattr(args, "forms", None) or ():
+        if form not in LINEAR_FORMS:
+            raise SystemExit(f"lintrans bench: --forms must be among {list(LINEAR_FORMS)}, got {form!r}")
+    if getattr(args, "repeats", None) is not None:
+        if args.repeats < 1:
+            raise SystemExit(f"lintrans bench: --repeats must be >= 1, got {args.repeats}")
+        prof.caps.repeats = args.repeats
+    prof.sizes = tuple(args.sizes) if getattr(args, "sizes", None) else prof.sizes
+    prof.forms = tuple(args.forms) if getattr(args, "forms", None) else prof.forms
     return prof
 
 

@@ -14,6 +14,8 @@ SIZES = {
     "4L-128": (4, 2, 128),  # the quick profile: small enough that T = 8k fits the demo's minutes
     "2L-256": (2, 4, 256),
     "6L-384": (6, 6, 384),
+    # attention-heavy: deep and narrow, so the T^2 term outweighs the 50257-wide LM head sooner
+    "12L-256": (12, 4, 256),
     "12L-768 (GPT-2 124M)": (12, 12, 768),
 }
 LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
