@@ -1,8 +1,13 @@
 """`lintrans demo` (`make demo`): the quick benchmark profile with its headline.
 
-Times a GPT training step (softmax SDPA against chunked linear attention at its tuned chunk size)
-and time per generated token (KV cache against recurrent state) for growing context, then prints
-the context from which the linear model trains faster and the speed-up at the longest context.
+Three measurements, each side by side in one run: the attention op (softmax SDPA against chunked
+linear attention, forward + backward), a GPT training step (softmax against chunked linear at its
+tuned chunk size) and time per generated token (KV cache against recurrent state). Prints the
+context from which linear attention is faster and the speed-up at the longest context measured.
+
+The training model is deep and narrow (12 layers, width 128) on purpose: with a 50257-token
+vocabulary at batch 1 the LM head costs 6 T d V FLOPs, and in a shallow model it, not attention,
+sets the step time (`lintrans cost` shows the split).
 """
 from __future__ import annotations
 
@@ -12,42 +17,58 @@ from pathlib import Path
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-T", type=int, default=8192, help="longest context (default 8192)")
-    p.add_argument("--time-cap", type=float, default=8.0, help="seconds per step past which a curve stops")
+    p.add_argument("--max-T", type=int, default=8192, help="longest context for the GPT benchmarks (default 8192)")
+    p.add_argument("--ops-max-T", type=int, default=16384, help="longest context for the op benchmark (default 16384)")
+    p.add_argument("--size", default="12L-128", help="model size for the training step (default 12L-128)")
+    p.add_argument("--time-cap", type=float, default=12.0, help="seconds per step past which a curve stops")
     p.add_argument("--out", type=Path, default=None, help="also write JSON/CSV/MD/PNG here")
-    p.add_argument("--skip-generate", action="store_true", help="only the training-step benchmark")
+    p.add_argument("--skip-generate", action="store_true", help="skip the generation benchmark")
+
+
+def _say(name: str, s: dict, verb: str) -> None:
+    if s["faster_from_T"] is not None:
+        print(f"{name}: linear (chunked) {verb} faster than softmax from T = {s['faster_from_T']} on.")
+    else:
+        print(f"{name}: linear (chunked) was not faster than softmax at the longest context measured.")
+    if s["longest_common_T"] is not None:
+        print(f"  speed-up at the longest context measured for both (T = {s['longest_common_T']}): "
+              f"{s['speedup_at_longest']:.2f}x")
+    if s["slow_stopped"]:
+        print(f"  softmax stopped at T = {s['slow_stopped'][0]} ({s['slow_stopped'][1]}); "
+              f"linear reached T = {s['fast_longest_T']}.")
 
 
 def run(args) -> int:
     from .cli import powers_of_two, profiles, run_benchmark
+    from .train import SIZES
 
+    if args.size not in SIZES:
+        raise SystemExit(f"lintrans demo: --size must be one of {list(SIZES)}, got {args.size!r}")
     t0 = time.perf_counter()
     prof = profiles()["quick"]
-    prof.forms = ("chunked",)
-    prof.train_T = prof.generate_T = powers_of_two(256, args.max_T)
     prof.caps.time_s = args.time_cap
+    prof.ops_only = ["chunked", "softmax"]
+    prof.ops_T = powers_of_two(256, args.ops_max_T)
+    ops = run_benchmark("ops", prof, out=args.out)
+    prof.sizes, prof.forms = (args.size,), ("chunked",)
+    prof.train_T = powers_of_two(256, args.max_T)
     train = run_benchmark("train", prof, out=args.out)
-    gen = None if args.skip_generate else run_benchmark("generate", prof, out=args.out)
+    gen = None
+    if not args.skip_generate:
+        prof.sizes = ("4L-128",)
+        prof.generate_T = powers_of_two(256, args.max_T)
+        gen = run_benchmark("generate", prof, out=args.out)
 
-    s = train["speedups"][0]
     print("\n" + "=" * 80)
-    if s["faster_from_T"] is not None:
-        print(f"Linear attention (chunked) trains faster than softmax from T = {s['faster_from_T']} on.")
-    else:
-        print("Linear attention (chunked) was not faster than softmax at the longest context measured.")
-    if s["longest_common_T"] is not None:
-        print(f"Speed-up at the longest context measured for both (T = {s['longest_common_T']}): "
-              f"{s['speedup_at_longest']:.2f}x")
-    if s["slow_stopped"]:
-        print(f"Softmax stopped at T = {s['slow_stopped'][0]} ({s['slow_stopped'][1]}); "
-              f"linear reached T = {s['fast_longest_T']}.")
+    _say("attention op (fwd + bwd, H=8, D=64)", ops["speedups"][0], "runs")
+    _say(f"GPT {args.size} training step (vocab 50257, batch 1)", train["speedups"][0], "trains")
     if gen is not None:
         rows = {(r["series"], r["T"]): r for r in gen["rows"] if r["status"] == "ok"}
         for name in ("linear state", "softmax KV cache"):
             Ts = sorted(T for (n, T) in rows if n == name)
             if len(Ts) >= 2:
                 a, b = rows[(name, Ts[0])]["time_s"], rows[(name, Ts[-1])]["time_s"]
-                print(f"Time per generated token, {name}: {a * 1e3:.2f} ms at T = {Ts[0]}, "
+                print(f"time per generated token, {name}: {a * 1e3:.2f} ms at T = {Ts[0]}, "
                       f"{b * 1e3:.2f} ms at T = {Ts[-1]} ({b / a:.2f}x)")
     print(f"(quick profile, {time.perf_counter() - t0:.0f}s; `lintrans bench all --profile full` for the full record)")
     return 0

@@ -12,6 +12,7 @@ VOCAB = 50257
 # name -> (n_layer, n_head, n_embd); head dim 64 throughout, as in GPT-2
 SIZES = {
     "4L-128": (4, 2, 128),  # the quick profile: small enough that T = 8k fits the demo's minutes
+    "12L-128": (12, 2, 128),  # the demo: deep and narrow so attention, not the LM head, sets the pace
     "2L-256": (2, 4, 256),
     "6L-384": (6, 6, 384),
     # attention-heavy: deep and narrow, so the T^2 term outweighs the 50257-wide LM head sooner

@@ -97,8 +97,9 @@ def _chunked(fq, fk, v, S0, chunk):
     P = kc.transpose(-1, -2) @ vc  # [B,H,n,F,E] each chunk's contribution
     # exclusive prefix sum: the state before each chunk (cat + cumsum avoids cumsum(P) - P cancellation)
     S_before = torch.cumsum(torch.cat([S0[:, :, None], P[:, :, :-1]], dim=2), dim=2)  # [B,H,n,F,E]
-    A = (qc @ kc.transpose(-1, -2)).masked_fill(~_causal_mask(chunk, chunk, 0, fq.device), 0.0)
-    y = qc @ S_before + A @ vc  # [B,H,n,c,E]
+    # in place is safe: matmul's backward needs its inputs, not its output
+    A = (qc @ kc.transpose(-1, -2)).tril_()  # [B,H,n,c,c] causal within the chunk
+    y = torch.matmul(qc, S_before).add_(A @ vc)  # [B,H,n,c,E]
     S = S_before[:, :, -1] + P[:, :, -1]
     return y.reshape(B, H, n * chunk, E)[:, :, :T], S
 
