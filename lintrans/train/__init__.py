@@ -1,0 +1,6 @@
+"""Training: offline tokenizers, cached token data, a resumable DDP-aware loop (`lintrans train`).
+
+    from lintrans.train.config import load_config
+    from lintrans.train.loop import train
+    train(load_config("configs/tiny.toml", ["train.max_steps=100"]))
+"""

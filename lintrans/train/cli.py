@@ -1,0 +1,52 @@
+"""``lintrans train``: config file + overrides -> a (resumable) training run.
+
+    lintrans train --config configs/tiny.toml --set train.max_steps=200
+    lintrans train --config configs/tiny.toml --train.out_dir runs/x --model.attention linear
+    torchrun --standalone --nproc_per_node 2 -m lintrans train --config configs/tiny.toml
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from .config import key_types
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 2)[2]
+    parser.add_argument("--config", "-c", metavar="FILE", help="TOML or YAML config (sections model/data/optim/train)")
+    parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override one config key, e.g. train.max_steps=500 (repeatable)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    keys = parser.add_argument_group("config keys (same as --set KEY=VALUE)")
+    for key, typ in key_types().items():
+        name = getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
+        keys.add_argument(f"--{key}", metavar=name.upper(), dest=f"key:{key}", default=None, help=argparse.SUPPRESS)
+    keys.description = "every key of the config, e.g. --train.max_steps 500 --model.attention linear (see docs/training.md)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    overrides = list(args.overrides)
+    overrides += [f"{dest[4:]}={value}" for dest, value in vars(args).items()
+                  if dest.startswith("key:") and value is not None]
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"lintrans train: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from .loop import train
+
+    try:
+        result = train(cfg)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"lintrans train: {e}", file=sys.stderr)
+        return 2
+    return result.exit_code

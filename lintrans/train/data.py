@@ -1,0 +1,369 @@
+"""Training data: sources -> one cached token memmap -> train/val views -> random-window batches.
+
+A source spec is one of
+  ``builtin:python-docs``        the embedded corpus (see ``corpus.py``)
+  ``PATH.txt`` / ``DIR`` / glob  text files (a folder means every non-hidden file under it)
+  ``PATH.bin``                   a nanoGPT token file (``data.bin_dtype``, uint16 by default)
+  ``DIR`` with train.bin+val.bin a nanoGPT dataset folder, used as it is
+  ``hf:NAME[:CONFIG]``           a Hugging Face dataset already in the local cache (or a folder
+                                 written by ``Dataset.save_to_disk``); needs ``datasets`` installed
+Text is tokenised once, documents separated by the end-of-text token, into ``tokens.bin`` under a
+cache folder keyed by the hash of the source's bytes and the tokenizer. The split is a tail split:
+the last ``val_fraction`` of the tokens are the validation set (nanoGPT's convention; zero-copy).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .tokenizer import GPT2_RANKS_SHA256
+
+CACHE_FORMAT = 1
+BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("LINTRANS_CACHE_DIR")
+    if root:
+        return Path(root) / "data"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "lintrans" / "data"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding every id of a ``vocab_size`` vocabulary."""
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 2**32:
+        return np.dtype(np.uint32)
+    raise ValueError(f"vocabulary of {vocab_size} tokens is larger than uint32 token files can hold")
+
+
+def check_vocab_fits(vocab_size: int, dtype: np.dtype, what: str) -> None:
+    capacity = np.iinfo(dtype).max + 1
+    if vocab_size > capacity:
+        raise ValueError(
+            f"vocabulary of {vocab_size} tokens does not fit in {what} of dtype {np.dtype(dtype).name} "
+            f"(at most {capacity} ids); use uint32 token files (data.bin_dtype = 'uint32')"
+        )
+
+
+# ---- sources ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TextSource:
+    """Documents from the built-in corpus, text files or a Hugging Face dataset."""
+
+    spec: str
+    files: list[Path] = field(default_factory=list)  # text files, or the files the built-in corpus reads
+    builtin: str | None = None
+    hf: tuple[str, str | None] | None = None
+    hf_split: str = "train"
+    hf_column: str = "text"
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        if self.hf is not None:
+            h.update(json.dumps([self.hf, self.hf_split, self.hf_column]).encode())
+            h.update(_load_hf(self)._fingerprint.encode())
+            return h.hexdigest()
+        if self.builtin is not None:
+            from .corpus import CORPUS_VERSION
+
+            h.update(f"{self.builtin}:{CORPUS_VERSION}".encode())
+        for path in self.files:
+            h.update(str(path.name if self.builtin is None else path).encode() + b"\0")
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+        return h.hexdigest()
+
+    def documents(self) -> Iterator[str]:
+        if self.builtin is not None:
+            from .corpus import builtin_corpus
+
+            yield from builtin_corpus(self.builtin)
+        elif self.hf is not None:
+            for row in _load_hf(self):
+                yield row[self.hf_column]
+        else:
+            for path in self.files:
+                try:
+                    yield path.read_text(encoding="utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"data file {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                        "select only text files, e.g. with a glob like 'DIR/**/*.txt'"
+                    ) from None
+
+
+@dataclass
+class TokenSource:
+    """Pre-tokenised nanoGPT files: one ``.bin`` to split, or a folder with train.bin and val.bin."""
+
+    spec: str
+    path: Path
+    dtype: np.dtype
+    presplit: bool
+
+
+def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "train", hf_column: str = "text"):
+    """Turn a source spec (see module doc) into a TextSource or TokenSource; clear errors if absent/empty."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"data.source must be a non-empty string, got {spec!r}")
+    if bin_dtype not in BIN_DTYPES:
+        raise ValueError(f"data.bin_dtype must be one of {list(BIN_DTYPES)}, got {bin_dtype!r}")
+    if spec.startswith("builtin:"):
+        from .corpus import BUILTIN_CORPORA, builtin_corpus_files
+
+        name = spec[len("builtin:"):]
+        if name not in BUILTIN_CORPORA:
+            raise ValueError(f"built-in corpus must be one of {list(BUILTIN_CORPORA)}, got {name!r}")
+        return TextSource(spec, files=builtin_corpus_files(name), builtin=name)
+    if spec.startswith("hf:"):
+        name, _, config = spec[len("hf:"):].partition(":")
+        return TextSource(spec, hf=(name, config or None), hf_split=hf_split, hf_column=hf_column)
+    path = Path(spec).expanduser()
+    dtype = np.dtype(BIN_DTYPES[bin_dtype])
+    if any(c in spec for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise FileNotFoundError(f"data.source glob {spec!r} matches no files")
+    elif path.is_dir():
+        if (path / "train.bin").is_file() and (path / "val.bin").is_file():
+            return TokenSource(spec, path, dtype, presplit=True)
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise ValueError(f"data.source folder {path} holds no files")
+    elif path.is_file():
+        if path.suffix == ".bin":
+            return TokenSource(spec, path, dtype, presplit=False)
+        files = [path]
+    else:
+        raise FileNotFoundError(f"data.source {spec!r}: no such file or folder")
+    if all(f.suffix == ".bin" for f in files) and len(files) == 1:
+        return TokenSource(spec, files[0], dtype, presplit=False)
+    return TextSource(spec, files=files)
+
+
+def _load_hf(source: TextSource):
+    """The cached Hugging Face dataset, loaded strictly offline (no download at run time)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"data.source {source.spec!r} needs the 'datasets' package: pip install datasets") from None
+    name, config = source.hf
+    if Path(name).is_dir():
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[source.hf_split]
+    else:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            ds = datasets.load_dataset(name, config, split=source.hf_split)
+        except Exception as e:  # datasets raises many types; all mean "not usable offline"
+            raise ValueError(
+                f"Hugging Face dataset {name!r} (config {config!r}, split {source.hf_split!r}) is not in the "
+                f"local cache and nothing is downloaded at run time: {e}"
+            ) from None
+    if source.hf_column not in ds.column_names:
+        raise ValueError(
+            f"Hugging Face dataset {name!r} has no column {source.hf_column!r} "
+            f"(data.hf_text_column); columns are {ds.column_names}"
+        )
+    return ds
+
+
+# ---- tokenised data --------------------------------------------------------------------------
+
+
+@dataclass
+class TokenData:
+    """Train and validation token arrays (read-only memmaps) plus where they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    meta: dict
+
+    def check_block_size(self, block_size: int) -> None:
+        for split, arr in (("training", self.train), ("validation", self.val)):
+            if len(arr) < block_size + 1:
+                raise ValueError(
+                    f"the {split} split of {self.meta['source']!r} has {len(arr)} tokens, fewer than "
+                    f"block_size + 1 = {block_size + 1}; use more data, a smaller block_size"
+                    + (" or a larger data.val_fraction" if split == "validation" else "")
+                )
+
+
+def prepare_data(
+    source,
+    tokenizer,
+    *,
+    val_fraction: float = 0.05,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> TokenData:
+    """Tokenise ``source`` once (cached) and return its train/val split."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    if isinstance(source, TokenSource):
+        return _token_file_data(source, tokenizer.vocab_size, val_fraction)
+    dtype = token_dtype(tokenizer.vocab_size)
+    tok_id = tokenizer.name + (":" + GPT2_RANKS_SHA256 if tokenizer.name == "gpt2" else "")
+    key = hashlib.sha256(
+        json.dumps([CACHE_FORMAT, source.fingerprint(), tok_id, dtype.name]).encode()
+    ).hexdigest()[:20]
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    entry = folder / key
+    if not (entry / "meta.json").is_file():
+        _tokenize_to_cache(source, tokenizer, dtype, entry, progress)
+    meta = json.loads((entry / "meta.json").read_text())
+    tokens = np.memmap(entry / "tokens.bin", dtype=dtype, mode="r")
+    return _split(tokens, tokenizer.vocab_size, val_fraction, {**meta, "cache": str(entry)})
+
+
+def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Path, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
+    n_tokens = n_docs = 0
+    try:
+        with open(tmp / "tokens.bin", "wb") as f, tqdm(
+            desc=f"tokenising {source.spec}", unit="doc", disable=not progress
+        ) as bar:
+            for batch in _batched(source.documents(), 64):
+                for ids in tokenizer.encode_batch(batch):
+                    arr = np.asarray(ids + [tokenizer.eot_token], dtype=dtype)
+                    arr.tofile(f)
+                    n_tokens += len(arr)
+                n_docs += len(batch)
+                bar.update(len(batch))
+                bar.set_postfix(tokens=n_tokens)
+        if n_tokens == n_docs:  # only end-of-text markers: every document was empty
+            raise ValueError(f"data.source {source.spec!r} holds no text")
+        meta = {"source": source.spec, "tokenizer": tokenizer.name, "dtype": dtype.name,
+                "documents": n_docs, "tokens": n_tokens}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, entry)
+        except OSError:
+            if not (entry / "meta.json").is_file():  # another process did not win the race: real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _batched(items, n):
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _token_file_data(source: TokenSource, vocab_size: int, val_fraction: float) -> TokenData:
+    check_vocab_fits(vocab_size, source.dtype, f"token files {source.spec!r}")
+    paths = [source.path / "train.bin", source.path / "val.bin"] if source.presplit else [source.path]
+    arrays = []
+    for p in paths:
+        if p.stat().st_size == 0:
+            raise ValueError(f"token file {p} is empty")
+        if p.stat().st_size % source.dtype.itemsize:
+            raise ValueError(f"token file {p} is not a whole number of {source.dtype.name} values")
+        arr = np.memmap(p, dtype=source.dtype, mode="r")
+        top = max(int(arr[i:i + 2**24].max()) for i in range(0, len(arr), 2**24))
+        if top >= vocab_size:
+            raise ValueError(
+                f"token file {p} holds token id {top}, outside the tokenizer's vocabulary of {vocab_size}"
+            )
+        arrays.append(arr)
+    meta = {"source": source.spec, "dtype": source.dtype.name, "tokens": int(sum(len(a) for a in arrays))}
+    if source.presplit:
+        return TokenData(arrays[0], arrays[1], vocab_size, meta)
+    return _split(arrays[0], vocab_size, val_fraction, meta)
+
+
+def _split(tokens: np.ndarray, vocab_size: int, val_fraction: float, meta: dict) -> TokenData:
+    n_val = max(1, int(round(len(tokens) * val_fraction)))
+    if n_val >= len(tokens):
+        raise ValueError(f"data.source {meta['source']!r} has only {len(tokens)} tokens: too few to split")
+    return TokenData(tokens[:-n_val], tokens[-n_val:], vocab_size, {**meta, "val_fraction": val_fraction})
+
+
+# ---- batches ---------------------------------------------------------------------------------
+
+
+class WindowSampler:
+    """Random window starts from a seeded numpy generator whose state is saved with checkpoints."""
+
+    def __init__(self, n_tokens: int, block_size: int, seed: int):
+        self.high = n_tokens - block_size  # start + block_size + 1 <= n_tokens
+        if self.high < 1:
+            raise ValueError(f"{n_tokens} tokens are too few for windows of block_size {block_size}")
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def draw(self, n: int) -> np.ndarray:
+        return self.rng.integers(0, self.high, size=n)
+
+    def state_dict(self) -> dict:
+        return self.rng.bit_generator.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state
+
+
+def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device="cpu"):
+    """Inputs and next-token targets, each [len(starts), block_size] int64."""
+    idx = np.asarray(starts)[:, None] + np.arange(block_size + 1)[None, :]  # [B, T+1]
+    window = torch.from_numpy(tokens[idx].astype(np.int64))
+    x, y = window[:, :-1], window[:, 1:]
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def batch_layout(tokens_per_update: int | None, batch_size: int | None, micro_batch_size: int | None,
+                 block_size: int, world_size: int) -> tuple[int, int, int]:
+    """(global batch, micro batch per process, accumulation steps) for one optimizer update.
+
+    With ``tokens_per_update`` the global batch is tokens_per_update / block_size sequences, so every
+    update sees the same number of tokens whatever the context length.
+    """
+    if tokens_per_update is not None:
+        if tokens_per_update % block_size:
+            raise ValueError(
+                f"train.tokens_per_update ({tokens_per_update}) must be a multiple of block_size ({block_size})"
+            )
+        total = tokens_per_update // block_size
+    elif batch_size is not None:
+        total = batch_size
+    else:
+        raise ValueError("set train.batch_size or train.tokens_per_update")
+    if total % world_size:
+        raise ValueError(f"the global batch of {total} sequences must divide evenly over {world_size} processes")
+    per_rank = total // world_size
+    micro = per_rank if micro_batch_size is None else min(micro_batch_size, per_rank)
+    if per_rank % micro:
+        raise ValueError(
+            f"train.micro_batch_size ({micro}) must divide the per-process batch ({per_rank} sequences = "
+            f"{total} global / {world_size} processes)"
+        )
+    return total, micro, per_rank // micro

@@ -1,0 +1,95 @@
+import pytest
+
+from lintrans.cli import main
+from lintrans.train.config import TrainConfig, load_config, write_resolved
+
+TOML = """
+[model]
+n_layer = 2
+attention = "linear"
+attention_options = { feature_map = "elu" }
+
+[train]
+max_steps = 50
+tokens_per_update = 4096
+"""
+
+YAML = """
+model: {n_layer: 2, attention: linear, attention_options: {feature_map: elu}}
+train: {max_steps: 50, tokens_per_update: 4096}
+"""
+
+
+def test_toml_and_yaml_give_the_same_config(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML)
+    (tmp_path / "c.yaml").write_text(YAML)
+    a, b = load_config(tmp_path / "c.toml"), load_config(tmp_path / "c.yaml")
+    assert a == b
+    assert a.model == {"n_layer": 2, "attention": "linear", "attention_options": {"feature_map": "elu"}}
+    assert a.train.max_steps == 50 and a.train.tokens_per_update == 4096
+
+
+def test_overrides_are_typed(tmp_path):
+    (tmp_path / "c.toml").write_text(TOML)
+    cfg = load_config(tmp_path / "c.toml", [
+        "train.max_steps=7", "optim.lr=1e-3", "train.compile=true", "train.micro_batch_size=none",
+        "model.attention_options.chunk_size=32", "data.source=123",
+    ])
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-3 and cfg.train.compile is True
+    assert cfg.model["attention_options"] == {"feature_map": "elu", "chunk_size": 32}
+    assert cfg.data.source == "123"  # strings stay strings
+
+
+@pytest.mark.parametrize("override, error, match", [
+    ("train.max_stepz=5", ValueError, "unknown config key 'train.max_stepz'.*max_steps"),
+    ("trian.max_steps=5", ValueError, "sections are"),
+    ("train.max_steps=five", TypeError, "train.max_steps' needs an int, got 'five'"),
+    ("train.compile=maybe", TypeError, "needs a bool"),
+    ("model.n_layer=0", ValueError, "n_layer must be an int >= 1"),
+    ("model.n_headz=2", ValueError, "unknown config key 'model.n_headz'"),
+    ("model.mlp=relu", ValueError, "mlp must be one of"),
+    ("optim.schedule=step", ValueError, "optim.schedule must be one of"),
+    ("train.precision=fp8", ValueError, "train.precision must be one of"),
+    ("data.tokenizer=gpt4", ValueError, "data.tokenizer must be one of"),
+    ("train.max_steps", ValueError, "section.key=value"),
+    ("model.n_layer.x=1", ValueError, "not a table"),
+])
+def test_bad_overrides(override, error, match):
+    with pytest.raises(error, match=match):
+        load_config(None, [override])
+
+
+def test_bad_file_values(tmp_path):
+    (tmp_path / "a.toml").write_text('[train]\nmax_steps = "10"\n')
+    with pytest.raises(TypeError, match="needs an int, got '10'"):
+        load_config(tmp_path / "a.toml")
+    (tmp_path / "b.yaml").write_text("train: {max_steps: true}\n")
+    with pytest.raises(TypeError, match="needs an int, got True"):
+        load_config(tmp_path / "b.yaml")
+    (tmp_path / "c.yaml").write_text("training: {max_steps: 3}\n")
+    with pytest.raises(ValueError, match="unknown config section 'training'"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.toml").write_text("[train\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(tmp_path / "d.toml")
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_resolved_config_reads_back(tmp_path):
+    cfg = load_config(None, ["model.n_layer=3", "optim.lr=0.01"])
+    gpt = cfg.gpt_config(vocab_size=320)
+    write_resolved(cfg, gpt, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again.model == gpt.to_dict() and again.optim == cfg.optim and again.train == cfg.train
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_cli_reports_config_errors(capsys, tmp_path):
+    assert main(["train", "--set", "train.max_stepz=1"]) == 2
+    assert "unknown config key 'train.max_stepz'" in capsys.readouterr().err
+    assert main(["train", "--model.n_layer", "x"]) == 2
+    assert "model.n_layer" in capsys.readouterr().err
+    assert main(["train", "--train.max_steps", "9", "--set", "model.n_layer=2", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 9" in out and "n_layer: 2" in out

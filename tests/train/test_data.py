@@ -1,0 +1,156 @@
+import numpy as np
+import pytest
+import torch
+
+from lintrans.train import data as D
+from lintrans.train.corpus import builtin_corpus
+from lintrans.train.tokenizer import get_tokenizer
+
+BYTES = get_tokenizer("bytes")
+
+
+def prepare(spec, cache, **kw):
+    return D.prepare_data(D.resolve_source(spec), BYTES, cache_dir=cache, progress=False, **kw)
+
+
+def test_text_file_tokenised_with_eot_and_tail_split(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world")
+    d = prepare(str(tmp_path / "a.txt"), tmp_path / "c", val_fraction=0.25)
+    everything = np.concatenate([d.train, d.val])
+    assert everything.tolist() == BYTES.encode("hello world") + [BYTES.eot_token]
+    assert len(d.val) == 3 and d.train.dtype == np.uint16
+
+
+def test_cache_is_reused_and_keyed_by_content(tmp_path, monkeypatch):
+    f = tmp_path / "a.txt"
+    f.write_text("first version of the text")
+    d1 = prepare(str(f), tmp_path / "c")
+    calls = []
+    monkeypatch.setattr(BYTES, "encode_batch", lambda texts: calls.append(texts) or [BYTES.encode(t) for t in texts])
+    d2 = prepare(str(f), tmp_path / "c")
+    assert calls == [] and d2.meta["cache"] == d1.meta["cache"]
+    f.write_text("second version of the text")
+    d3 = prepare(str(f), tmp_path / "c")
+    assert len(calls) == 1 and d3.meta["cache"] != d1.meta["cache"]
+
+
+def test_folder_and_glob_sources(tmp_path):
+    root = tmp_path / "docs"
+    (root / "sub").mkdir(parents=True)
+    (root / "b.txt").write_text("bbb")
+    (root / "sub" / "a.md").write_text("aaa")
+    (root / ".hidden").write_text("zzz")
+    folder = D.resolve_source(str(root))
+    assert [p.name for p in folder.files] == ["b.txt", "a.md"]  # sorted paths, hidden skipped
+    glob = D.resolve_source(str(root / "**" / "*.md"))
+    assert [p.name for p in glob.files] == ["a.md"]
+    d = prepare(str(root), tmp_path / "c", val_fraction=0.1)
+    assert BYTES.decode(np.concatenate([d.train, d.val]).tolist()) == "bbbaaa"
+
+
+def test_missing_and_empty_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        D.resolve_source(str(tmp_path / "nope.txt"))
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        D.resolve_source(str(tmp_path / "*.txt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no files"):
+        D.resolve_source(str(tmp_path / "empty"))
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(ValueError, match="holds no text"):
+        prepare(str(tmp_path / "e.txt"), tmp_path / "c")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        prepare(str(tmp_path / "bin.txt"), tmp_path / "c")
+    with pytest.raises(ValueError, match="built-in corpus"):
+        D.resolve_source("builtin:nothing")
+    assert not list((tmp_path / "c").glob("*")), "failed runs must not leave cache entries"
+
+
+def test_token_dtype():
+    assert D.token_dtype(257) == np.uint16
+    assert D.token_dtype(50257) == np.uint16
+    assert D.token_dtype(65536) == np.uint16
+    assert D.token_dtype(65537) == np.uint32
+    with pytest.raises(ValueError, match="larger than uint32"):
+        D.token_dtype(2**32 + 1)
+
+
+class BigVocab:
+    name, vocab_size, eot_token = "big", 70000, 69999
+
+
+def test_nanogpt_bin_files(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) % 257
+    tokens.tofile(tmp_path / "all.bin")
+    d = D.prepare_data(D.resolve_source(str(tmp_path / "all.bin")), BYTES, val_fraction=0.1)
+    assert len(d.val) == 100 and np.array_equal(np.concatenate([d.train, d.val]), tokens)
+    with pytest.raises(ValueError, match="does not fit in .* uint16"):
+        D.prepare_data(D.resolve_source(str(tmp_path / "all.bin")), BigVocab())
+    (tokens.astype(np.uint32) + 65536).tofile(tmp_path / "wide.bin")
+    wide = D.prepare_data(D.resolve_source(str(tmp_path / "wide.bin"), bin_dtype="uint32"), BigVocab())
+    assert wide.train.dtype == np.uint32 and int(wide.train.max()) >= 65536
+    np.array([1, 2, 300], dtype=np.uint16).tofile(tmp_path / "bad.bin")
+    with pytest.raises(ValueError, match="token id 300"):
+        D.prepare_data(D.resolve_source(str(tmp_path / "bad.bin")), BYTES)
+    split = tmp_path / "split"
+    split.mkdir()
+    tokens[:800].tofile(split / "train.bin")
+    tokens[800:].tofile(split / "val.bin")
+    d = D.prepare_data(D.resolve_source(str(split)), BYTES)
+    assert (len(d.train), len(d.val)) == (800, 200)
+    with pytest.raises(ValueError, match="bin_dtype"):
+        D.resolve_source(str(split), bin_dtype="int8")
+
+
+def test_block_size_check(tmp_path):
+    (tmp_path / "a.txt").write_text("x" * 100)
+    d = prepare(str(tmp_path / "a.txt"), tmp_path / "c", val_fraction=0.1)
+    d.check_block_size(8)
+    with pytest.raises(ValueError, match="validation split .* fewer than block_size"):
+        d.check_block_size(16)
+
+
+def test_batches_and_sampler_state():
+    tokens = np.arange(100, dtype=np.uint16)
+    sampler = D.WindowSampler(len(tokens), block_size=8, seed=3)
+    starts = sampler.draw(5)
+    assert starts.min() >= 0 and starts.max() + 8 < len(tokens)
+    x, y = D.get_batch(tokens, starts, 8)
+    assert x.shape == y.shape == (5, 8) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(x[:, 0], torch.from_numpy(starts))
+    state = sampler.state_dict()
+    after = sampler.draw(4)
+    sampler.load_state_dict(state)
+    assert np.array_equal(sampler.draw(4), after)
+    with pytest.raises(ValueError, match="too few"):
+        D.WindowSampler(8, block_size=8, seed=0)
+
+
+def test_batch_layout_keeps_tokens_per_update_constant():
+    for block in (32, 64, 128):
+        total, micro, accum = D.batch_layout(4096, None, 8, block, world_size=2)
+        assert total * block == 4096 and micro * accum * 2 == total
+    assert D.batch_layout(None, 12, None, 64, 1) == (12, 12, 1)
+    assert D.batch_layout(None, 12, 4, 64, 1) == (12, 4, 3)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        D.batch_layout(1000, None, None, 64, 1)
+    with pytest.raises(ValueError, match="evenly over 2"):
+        D.batch_layout(None, 3, None, 64, 2)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        D.batch_layout(None, 12, 5, 64, 1)
+
+
+def test_builtin_corpus_is_real_text_of_several_megabytes():
+    docs = builtin_corpus("python-docs")
+    text = "\n".join(docs)
+    assert len(text) > 1_500_000 and len(docs) > 100
+    assert text.count(" the ") > 5000  # English prose, not code
+    assert docs == builtin_corpus("python-docs")  # deterministic order
+
+
+def test_hugging_face_dataset_from_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["one doc", "two docs"]}).save_to_disk(str(tmp_path / "ds"))
+    d = prepare(f"hf:{tmp_path / 'ds'}", tmp_path / "c", val_fraction=0.2)
+    assert BYTES.decode(np.concatenate([d.train, d.val]).tolist()) == "one doctwo docs"

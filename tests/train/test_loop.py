@@ -1,0 +1,165 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lintrans.models.gpt import GPT
+from lintrans.train import checkpoint as ckpt
+from lintrans.train.loop import build_optimizer, lr_at, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def read_state(out_dir):
+    return json.loads((out_dir / "checkpoint" / "trainer_state.json").read_text())
+
+
+def test_loss_goes_down_and_everything_is_written(tiny_config):
+    cfg = tiny_config(**{"train.max_steps": 40, "train.eval_interval": 20})
+    result = train(cfg)
+    out = cfg.train.out_dir
+    assert result.stopped == "done" and result.step == 40 and result.exit_code == 0
+    first, last = result.losses[1], sum(result.losses[s] for s in range(36, 41)) / 5
+    assert math.log(257) - 0.5 < first < math.log(320) + 0.5
+    assert last < first - 1.0, (first, last)
+    assert set(result.val_losses) == {20, 40}
+    for name in ("config.yaml", "metrics.jsonl", "metrics.csv", "loss.png"):
+        assert (os.path.join(out, name)) and os.path.getsize(os.path.join(out, name)) > 0
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert rows[-1]["tokens"] == 40 * 4 * 16
+    from lintrans.models import load_model
+
+    model = load_model(os.path.join(out, "checkpoint"))
+    assert model.config.vocab_size == 320 and model.config.n_embd == 16
+
+
+@pytest.mark.parametrize("extra", [{}, {"model.dropout": 0.1, "train.micro_batch_size": 2}])
+def test_resume_gives_identical_losses(tiny_config, extra):
+    straight = train(tiny_config("a", **extra))
+    first = train(tiny_config("b", **extra, **{"train.stop_after_steps": 3}))
+    assert first.stopped == "stop_after" and first.step == 3 and read_state(first.out_dir)["step"] == 3
+    second = train(tiny_config("b", **extra))
+    assert second.step == 6 and sorted(second.losses) == [4, 5, 6]
+    for step in range(1, 7):
+        got = first.losses.get(step, second.losses.get(step))
+        assert got == straight.losses[step], step  # bitwise: same data, RNG, optimizer state
+    rows = [json.loads(line) for line in open(first.out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    a = ckpt.read_checkpoint(straight.out_dir / "checkpoint")
+    b = ckpt.read_checkpoint(second.out_dir / "checkpoint")
+    assert a["trainer_state"]["sampler"] == b["trainer_state"]["sampler"]
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(r.out_dir / "checkpoint" / "model.safetensors")) for r in (straight, second))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_after_crash_between_renames(tiny_config):
+    cfg = tiny_config(**{"train.stop_after_steps": 2})
+    train(cfg)
+    out = cfg.train.out_dir
+    os.replace(os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.old"))  # as if killed mid-swap
+    result = train(tiny_config(**{"train.stop_after_steps": 1}))
+    assert result.step == 3
+    assert os.path.isdir(os.path.join(out, "checkpoint")) and not os.path.exists(os.path.join(out, "checkpoint.old"))
+
+
+def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now"):
+        train(tiny_config(**{"model.n_layer": 2}))
+    with pytest.raises(ValueError, match="data.tokenizer"):
+        train(tiny_config(**{"data.tokenizer": "gpt2", "model.vocab_size": 50304}))
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        train(tiny_config(**{"train.resume": "never"}))
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        train(tiny_config("empty", **{"train.resume": "must"}))
+    weights = tmp_path / "run" / "checkpoint" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="damaged"):
+        train(tiny_config())
+    (tmp_path / "run" / "checkpoint" / "optimizer.safetensors").unlink()
+    with pytest.raises(ValueError, match="incomplete.*optimizer.safetensors"):
+        train(tiny_config())
+
+
+def test_missing_data_and_small_vocab_fail_clearly(tiny_config, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        train(tiny_config(**{"data.source": str(tmp_path / "absent.txt")}))
+    with pytest.raises(ValueError, match="smaller than the bytes tokenizer"):
+        train(tiny_config(**{"model.vocab_size": 100}))
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_config, monkeypatch, capsys):
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 5:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    cfg = tiny_config(**{"train.checkpoint_interval": 2})
+    result = train(cfg)
+    assert result.stopped == "nonfinite" and result.exit_code == 1 and result.step == 4
+    assert read_state(result.out_dir)["step"] == 4
+    assert "non-finite at step 5" in capsys.readouterr().err
+
+
+def test_lr_schedule(tiny_config):
+    cfg = tiny_config(**{"optim.warmup_steps": 10, "train.max_steps": 100, "optim.lr": 1.0, "optim.min_lr": 0.1})
+    lrs = [lr_at(s, cfg) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[55] == pytest.approx(0.55) and lrs[100] == lrs[119] == 0.1
+
+
+def test_weight_decay_on_matrices_only(tiny_config):
+    cfg = tiny_config()
+    model = GPT(cfg.gpt_config(vocab_size=320))
+    decay, no_decay = build_optimizer(model, cfg, torch.device("cpu")).param_groups
+    assert decay["weight_decay"] == cfg.optim.weight_decay and no_decay["weight_decay"] == 0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_bf16_autocast_on_cpu_trains(tiny_config):
+    result = train(tiny_config(**{"train.precision": "bf16", "train.max_steps": 2}))
+    assert all(math.isfinite(v) for v in result.losses.values())
+    with pytest.raises(ValueError, match="fp16.*CUDA"):
+        train(tiny_config("fp16", **{"train.precision": "fp16"}))
+
+
+def test_sigterm_saves_a_checkpoint(tiny_config, tmp_path):
+    cfg = tiny_config(**{"train.max_steps": 100000})
+    args = [f"--set={k}={v}" for k, v in {
+        "data.source": cfg.data.source, "data.tokenizer": "bytes", "data.cache_dir": cfg.data.cache_dir,
+        "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16, "model.block_size": 16,
+        "train.batch_size": 4, "train.max_steps": 100000, "train.out_dir": cfg.train.out_dir,
+        "train.progress": False, "train.device": "cpu", "train.eval_interval": 1000,
+    }.items()]
+    proc = subprocess.Popen([sys.executable, "-m", "lintrans", "train", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by signal" in err
+    last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert read_state(tmp_path / "run")["step"] == last_logged >= 3
