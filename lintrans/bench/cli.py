@@ -40,7 +40,7 @@ class Profile:
 
 
 def profiles() -> dict[str, Profile]:
-    from .train import LINEAR_FORMS, SIZES
+    from .train import LINEAR_FORMS
 
     return {
         # small enough for `make demo` (< 3 minutes on 2 cores): one model size, short time caps

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
+
+from lintrans._io import atomic_write_text
 
 
 def _fmt(row: Optional[dict], key: str) -> str:
@@ -78,19 +78,11 @@ def headline(s: dict, what: str = "trains") -> str:
     return "; ".join(parts)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[str, Path]:
     """docs/results/<name>/{<name>.json, .csv, .md}: rows with the machine and the settings."""
     out = Path(out)
     paths = {"json": out / f"{name}.json", "csv": out / f"{name}.csv", "md": out / f"{name}.md"}
-    _atomic_write(paths["json"], json.dumps({**meta, "rows": rows}, indent=1, default=str))
+    atomic_write_text(paths["json"], json.dumps({**meta, "rows": rows}, indent=1, default=str))
     keys = ["series", "T", "status", "time_s", "peak_bytes"] + sorted(
         {k for r in rows for k in r} - {"series", "T", "status", "time_s", "peak_bytes", "times_s"})
     import io
@@ -99,7 +91,7 @@ def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[st
     w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
-    _atomic_write(paths["csv"], buf.getvalue())
+    atomic_write_text(paths["csv"], buf.getvalue())
     md = [f"# {name}", "", "machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "",
           "time per step (ms; s where marked):", "", markdown_table(rows, "time_s")]
     if any(r.get("peak_bytes") for r in rows):
@@ -108,5 +100,5 @@ def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[st
         md += ["", "cache kept for decoding:", "", markdown_table(rows, "cache_bytes")]
     if meta.get("headline"):
         md += ["", "headline: " + meta["headline"]]
-    _atomic_write(paths["md"], "\n".join(md) + "\n")
+    atomic_write_text(paths["md"], "\n".join(md) + "\n")
     return paths

@@ -12,10 +12,11 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 import torch
+
+from lintrans._io import atomic_write_text
 
 CANDIDATES = (32, 64, 128, 256)  # 16 and 512 lost at every T tried on this CPU; fewer = cheaper
 MAX_BUCKET = 16384  # longer contexts reuse the 16k choice: the best chunk stops depending on T
@@ -66,10 +67,7 @@ def _save(key: str, entry: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _load()
     data[key] = entry
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".chunk_size.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3) -> float:

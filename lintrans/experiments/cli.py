@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from lintrans.bench.machine import machine_info
-    from lintrans.bench.report import _atomic_write
+    from lintrans._io import atomic_write_text
 
     try:
         cfg = _config(args)
@@ -156,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"{cfg.task}.json"
-        _atomic_write(path, json.dumps(result, indent=1))
-        path.chmod(0o644)  # mkstemp creates 0600; results are meant to be shared
+        atomic_write_text(path, json.dumps(result, indent=1))
         for p in [path, *plot(result, args.out)]:
             print(f"wrote {p}")
     return 0

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
+from .._io import atomic_write, atomic_write_text
 from .config import GPTConfig
 from .gpt import GPT
 
@@ -101,33 +101,15 @@ def _read_tensors(path: Path) -> dict:
     return obj
 
 
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _write_json(path: Path, obj: dict) -> None:
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-
-    _atomic_write(path, write)
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _write_safetensors(path: Path, state: dict, metadata: Optional[dict] = None) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _weights_file(folder: Path) -> Path:
@@ -222,7 +204,7 @@ def save_hf(model: GPT, folder, safe_serialization: bool = True) -> Path:
         _write_safetensors(folder / "model.safetensors", state, metadata={"format": "pt"})
     else:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        _atomic_write(folder / "pytorch_model.bin", lambda tmp: torch.save(tensors, tmp))
+        atomic_write(folder / "pytorch_model.bin", lambda tmp: torch.save(tensors, tmp))
     _write_json(folder / "config.json", hf_config)
     return folder
 

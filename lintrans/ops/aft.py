@@ -199,7 +199,6 @@ def _aft_banded(k, v, band_w, back: int, fwd: int, causal: bool):
     Keys outside the band enter as simple-AFT prefix (and, non-causal, suffix) sums in log space.
     Every term is scaled by exp(-R), R the largest log-term of the row and channel: nothing overflows.
     """
-    T = k.shape[2]
     width = back + fwd + 1
     kb = F.pad(k, (0, 0, back, fwd), value=float("-inf")).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
     vb = F.pad(v, (0, 0, back, fwd)).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
