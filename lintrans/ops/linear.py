@@ -204,10 +204,10 @@ def linear_attention(
         S, z = _check_state(initial_state, B, H, Fd, Dv, dtype, q.device)
         S0 = torch.cat([S, z[..., None]], dim=-1)
     # the extra column of ones carries the normaliser: y[..., -1] = sum_j s_ij, S0[..., -1] = z
-    v1 = torch.cat([v.to(dtype), torch.ones_like(v[..., :1], dtype=dtype)], dim=-1)
-    y, S_end = FORMS[form](
-        fq.transpose(1, 2), fk.transpose(1, 2), v1.transpose(1, 2), S0, chunk_size
-    )  # y: [B,H,T,Dv+1]
+    # built directly in the [B,H,T,Dv+1] layout the forms use: one copy of v instead of two
+    ones = torch.ones(B, H, T, 1, dtype=dtype, device=v.device)
+    v1 = torch.cat([v.transpose(1, 2).to(dtype), ones], dim=-1)  # [B,H,T,Dv+1]
+    y, S_end = FORMS[form](fq.transpose(1, 2), fk.transpose(1, 2), v1, S0, chunk_size)  # y: [B,H,T,Dv+1]
     y = y.transpose(1, 2)  # [B,T,H,Dv+1]
     o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]
     state = (S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None
