@@ -1,11 +1,12 @@
-"""The embedded default corpus: English text every Python installation already has.
+"""The embedded default corpus: English text every machine with lintrans installed already has.
 
-``python-docs`` is the text of the Python documentation that ships inside the standard library:
-the language/library reference topics behind ``help()`` (``pydoc_data.topics``) followed by the
-docstrings of the standard-library modules, classes and functions, in sorted file order. It is
-about 2 MB of real prose (about 0.5M GPT-2 tokens) on Python 3.11, needs no network and no
-download, and is covered by the PSF licence of the Python distribution it is read from. Its exact
-content depends on the Python version, so the data cache keys on its hash.
+``python-docs`` is documentation prose that ships inside Python and NumPy (a dependency of
+lintrans): the language/library reference topics behind ``help()`` (``pydoc_data.topics``), then
+the docstrings of the standard-library modules, classes and functions, then those of NumPy, each
+in sorted file order. It is about 3.6 MB of real prose (Python 3.11, NumPy 2.x), needs no network
+and no download, and is covered by the PSF licence (Python) and the BSD licence (NumPy) of the
+installations it is read from. Its exact content depends on those versions, so the data cache
+keys on its hash.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sysconfig
 from pathlib import Path
 
 BUILTIN_CORPORA = ("python-docs",)
-CORPUS_VERSION = 1  # bump when the extraction below changes, so cached tokens are rebuilt
+CORPUS_VERSION = 2  # bump when the extraction below changes, so cached tokens are rebuilt
 
 # Parts of the stdlib that are tests, demos or GUI code: their docstrings are noise, not prose.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "tkinter"}
@@ -25,13 +26,13 @@ def builtin_corpus_files(name: str) -> list[Path]:
     _check_name(name)
     import pydoc_data.topics
 
-    return [Path(pydoc_data.topics.__file__)] + _stdlib_files()
+    return [Path(pydoc_data.topics.__file__)] + _stdlib_files() + _numpy_files()
 
 
 def builtin_corpus(name: str) -> list[str]:
     """The documents of built-in corpus ``name``; each is one text, separated by end-of-text in training."""
     _check_name(name)
-    return _topics() + _stdlib_docstrings()
+    return _topics() + _docstrings(_stdlib_files()) + _docstrings(_numpy_files())
 
 
 def _check_name(name: str) -> None:
@@ -53,10 +54,17 @@ def _stdlib_files() -> list[Path]:
     ]
 
 
-def _stdlib_docstrings() -> list[str]:
-    """One document per module: its docstrings joined by blank lines, modules in sorted path order."""
+def _numpy_files() -> list[Path]:
+    import numpy
+
+    root = Path(numpy.__file__).parent
+    return [path for path in sorted(root.rglob("*.py")) if not {"tests", "testing"}.intersection(path.parts)]
+
+
+def _docstrings(files: list[Path]) -> list[str]:
+    """One document per module: its docstrings joined by blank lines, modules in the given order."""
     docs = []
-    for path in _stdlib_files():
+    for path in files:
         try:
             tree = ast.parse(path.read_bytes())
         except (SyntaxError, ValueError, OSError):

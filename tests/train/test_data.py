@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lintrans.train import data as D
-from lintrans.train.corpus import builtin_corpus
+from lintrans.train.corpus import builtin_corpus, builtin_corpus_files
 from lintrans.train.tokenizer import get_tokenizer
 
 BYTES = get_tokenizer("bytes")
@@ -144,9 +144,12 @@ def test_batch_layout_keeps_tokens_per_update_constant():
 def test_builtin_corpus_is_real_text_of_several_megabytes():
     docs = builtin_corpus("python-docs")
     text = "\n".join(docs)
-    assert len(text) > 1_500_000 and len(docs) > 100
+    assert len(text) > 3_000_000 and len(docs) > 100
     assert text.count(" the ") > 5000  # English prose, not code
-    assert docs == builtin_corpus("python-docs")  # deterministic order
+    files = builtin_corpus_files("python-docs")
+    assert files[0].name == "topics.py" and files == builtin_corpus_files("python-docs")  # fixed order
+    numpy_at = next(i for i, f in enumerate(files) if "numpy" in f.parts)
+    assert files[1:numpy_at] == sorted(files[1:numpy_at]) and files[numpy_at:] == sorted(files[numpy_at:])
 
 
 def test_hugging_face_dataset_from_disk(tmp_path):

@@ -163,3 +163,11 @@ def test_sigterm_saves_a_checkpoint(tiny_config, tmp_path):
     assert "stopped by signal" in err
     last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert read_state(tmp_path / "run")["step"] == last_logged >= 3
+
+
+def test_linear_attention_trains_and_resumes(tiny_config):
+    settings = {"model.attention": "linear", "train.max_steps": 4}
+    straight = train(tiny_config("a", **settings))
+    train(tiny_config("b", **settings, **{"train.stop_after_steps": 2}))
+    resumed = train(tiny_config("b", **settings))
+    assert [resumed.losses[s] for s in (3, 4)] == [straight.losses[s] for s in (3, 4)]
