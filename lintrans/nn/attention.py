@@ -205,7 +205,8 @@ class LinearAttention(QKVAttention):
         opts = _check_options("linear", dict(config.attention_options), self.DEFAULTS)
         if opts["form"] not in FORMS:
             raise ValueError(f"attention_options['form'] must be one of {list(FORMS)}, got {opts['form']!r}")
-        check_positive_int("attention_options['chunk_size']", opts["chunk_size"])
+        if opts["chunk_size"] != "auto":  # "auto": the op picks the measured fastest (lintrans tune)
+            check_positive_int("attention_options['chunk_size']", opts["chunk_size"])
         fm = build_feature_maps(
             opts["feature_map"], dict(opts["feature_map_options"]), self.head_dim, self.n_head,
             opts["per_head"], opts["shared_qk"],

@@ -116,3 +116,19 @@ def test_linear_bad_options(opts, err, match):
 def test_softmax_takes_no_options():
     with pytest.raises(ValueError, match=r"unknown attention_options \['window'\] for 'softmax'"):
         get_attention("softmax")(config(attention_options={"window": 4}))
+
+
+def test_linear_layer_accepts_auto_chunk_size(tmp_path, monkeypatch):
+    from lintrans.bench import tune
+    from lintrans.models import GPT, GPTConfig
+
+    monkeypatch.setattr(tune, "auto_chunk_size", lambda *a, **k: 4)  # no timing in tests
+    cfg = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=11, attention="linear")
+    idx = torch.randint(0, 11, (1, 13))
+    torch.manual_seed(0)
+    auto = GPT(GPTConfig(**cfg, attention_options={"chunk_size": "auto"}))(idx)[0]
+    torch.manual_seed(0)
+    fixed = GPT(GPTConfig(**cfg, attention_options={"chunk_size": 4}))(idx)[0]
+    torch.testing.assert_close(auto, fixed)
+    with pytest.raises((ValueError, TypeError), match="chunk_size"):
+        GPT(GPTConfig(**cfg, attention_options={"chunk_size": 0}))
