@@ -9,6 +9,7 @@ from lintrans.models.gpt import GPT
 from lintrans.nn import get_attention
 from lintrans.ops.aft import aft_reference
 from lintrans.ops.sliding_window import sliding_window_attention_reference
+from _qkv_reference import project_qkv
 
 MECHANISMS = [
     ("aft-simple", {}),
@@ -37,15 +38,9 @@ def randomize_biases(module, seed=0):
 
 def reference(layer, x, attention, opts, n_kv_head):
     """Projections by hand in float64, the mechanism by its op reference, global rows by hand."""
-    layer = layer.double()
-    x = x.double()
+    layer, x, q, k, v = project_qkv(layer, x, n_kv_head)
     B, T, C = x.shape
     H, D = layer.n_head, layer.head_dim
-    qkv = x @ layer.c_attn.weight.T + layer.c_attn.bias
-    q, k, v = qkv.split([H * D, n_kv_head * D, n_kv_head * D], dim=-1)
-    q = q.reshape(B, T, H, D)
-    k = k.reshape(B, T, n_kv_head, D).repeat_interleave(H // n_kv_head, dim=2)
-    v = v.reshape(B, T, n_kv_head, D).repeat_interleave(H // n_kv_head, dim=2)
     if attention == "sliding-window":
         glob = opts.get("global_tokens")
         o = sliding_window_attention_reference(

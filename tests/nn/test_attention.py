@@ -6,6 +6,7 @@ from lintrans.models import GPTConfig
 from lintrans.nn import get_attention
 from lintrans.ops.linear import linear_attention_reference
 from lintrans.ops.softmax import softmax_attention_reference
+from _qkv_reference import project_qkv
 
 
 def config(**kw):
@@ -15,15 +16,8 @@ def config(**kw):
 
 def reference(layer, x, attention, n_kv_head, **opts):
     """Projections by hand in float64, attention by the op's reference, kv heads repeated explicitly."""
-    layer = layer.double()
-    x = x.double()
+    layer, x, q, k, v = project_qkv(layer, x, n_kv_head)
     B, T, C = x.shape
-    H, D = layer.n_head, layer.head_dim
-    qkv = x @ layer.c_attn.weight.T + layer.c_attn.bias
-    q, k, v = qkv.split([H * D, n_kv_head * D, n_kv_head * D], dim=-1)
-    q = q.reshape(B, T, H, D)
-    k = k.reshape(B, T, n_kv_head, D).repeat_interleave(H // n_kv_head, dim=2)
-    v = v.reshape(B, T, n_kv_head, D).repeat_interleave(H // n_kv_head, dim=2)
     if attention == "softmax":
         o = softmax_attention_reference(q, k, v)
     else:

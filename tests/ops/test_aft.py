@@ -27,6 +27,20 @@ def inputs(B, T, H, D, dtype=torch.float64, seed=0):
     return [torch.randn(B, T, H, D, generator=g, dtype=dtype) for _ in range(3)]
 
 
+def assert_matches_reference(q, k, v, pos_bias, **kw):
+    """aft against aft_reference: outputs, and gradients for q, k, v and the bias (when there is one)."""
+    args = [q, k, v] + ([pos_bias] if pos_bias is not None else [])
+    for x in args:
+        x.requires_grad_(True)
+    o, ref = aft(q, k, v, pos_bias=pos_bias, **kw), aft_reference(q, k, v, pos_bias=pos_bias, **kw)
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    got = torch.autograd.grad((o * dout).sum(), args)
+    want = torch.autograd.grad((ref * dout).sum(), args)
+    for name, a, b in zip("qkvw", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+
+
 def bias_for(variant, T, H, per_head=False, kernel=5, seed=1):
     """(pos_bias, window) for a variant; full/local biases are larger than T on purpose (T_max > T)."""
     g = torch.Generator().manual_seed(seed)
@@ -61,15 +75,7 @@ def test_gradients_match_reference(variant, per_head, causal):
     T = CHUNK + 3  # crosses a chunk boundary of the causal path
     q, k, v = inputs(1, T, 2, 3, seed=3)
     pos_bias, window = bias_for(variant, T, 2, per_head, kernel=4 if causal else 5)
-    args = [q, k, v] + ([pos_bias] if pos_bias is not None else [])
-    for x in args:
-        x.requires_grad_(True)
-    kw = dict(variant=variant, pos_bias=pos_bias, window=window, causal=causal)
-    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    got = torch.autograd.grad((aft(q, k, v, **kw) * dout).sum(), args)
-    want = torch.autograd.grad((aft_reference(q, k, v, **kw) * dout).sum(), args)
-    for name, a, b in zip("qkvw", got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+    assert_matches_reference(q, k, v, pos_bias, variant=variant, window=window, causal=causal)
 
 
 @pytest.mark.parametrize("variant, per_head", CASES[1:])
@@ -79,17 +85,7 @@ def test_causal_chunked_path_matches_reference(variant, per_head, monkeypatch):
     T = 2 * CHUNK + 3
     q, k, v = inputs(2, T, 2, 3, seed=7)
     pos_bias, window = bias_for(variant, T, 2, per_head)
-    args = [q, k, v, pos_bias]
-    for x in args:
-        x.requires_grad_(True)
-    kw = dict(variant=variant, pos_bias=pos_bias, window=window)
-    o, ref = aft(q, k, v, **kw), aft_reference(q, k, v, **kw)
-    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
-    dout = torch.randn(q.shape, dtype=torch.float64)
-    got = torch.autograd.grad((o * dout).sum(), args)
-    want = torch.autograd.grad((ref * dout).sum(), args)
-    for name, a, b in zip("qkvw", got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+    assert_matches_reference(q, k, v, pos_bias, variant=variant, window=window)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -100,17 +96,7 @@ def test_banded_path_matches_reference(variant, per_head, causal, monkeypatch):
     T = 23
     q, k, v = inputs(2, T, 2, 3, seed=8)
     pos_bias, window = bias_for(variant, T, 2, per_head)
-    args = [q, k, v, pos_bias]
-    for x in args:
-        x.requires_grad_(True)
-    kw = dict(variant=variant, pos_bias=pos_bias, window=window, causal=causal)
-    o, ref = aft(q, k, v, **kw), aft_reference(q, k, v, **kw)
-    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
-    dout = torch.randn(q.shape, dtype=torch.float64)
-    got = torch.autograd.grad((o * dout).sum(), args)
-    want = torch.autograd.grad((ref * dout).sum(), args)
-    for name, a, b in zip("qkvw", got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
+    assert_matches_reference(q, k, v, pos_bias, variant=variant, window=window, causal=causal)
 
 
 def test_reference_is_the_paper_formula():
