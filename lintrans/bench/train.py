@@ -54,7 +54,7 @@ def make_train_step(config, T: int, device: str = "cpu"):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
+        _, loss = model(x, y, return_logits=False)
         loss.backward()
         opt.step()
 

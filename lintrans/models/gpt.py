@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lintrans.nn.registry import get_attention
+from lintrans.ops.cross_entropy import linear_cross_entropy
 
 from .config import GPTConfig
 
@@ -162,20 +163,34 @@ class GPT(nn.Module):
             cache.length = past + T
         return self.transformer.ln_f(x)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *, return_logits: bool = True):
         """idx [B, T] token ids -> (logits [B, T, V] for every position, mean cross-entropy or None).
 
-        Targets equal to -1 are ignored in the loss (nanoGPT's convention for padding).
+        Targets equal to -1 are ignored in the loss (nanoGPT's convention for padding). With
+        targets and ``return_logits=False`` the logits are never built: the loss (and, under
+        autograd, its gradient) comes from ``linear_cross_entropy`` chunk by chunk, which at long
+        context saves gigabytes (T x vocab floats, twice) and returns (None, loss).
         """
-        logits = self.lm_head(self._hidden(idx, None))  # [B,T,V]
+        if not return_logits and targets is None:
+            raise ValueError("return_logits=False needs targets (without them the logits are the only output)")
+        h = self._hidden(idx, None)  # [B,T,C]
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
+            raise ValueError(
+                f"targets must be a tensor of the same shape as idx {tuple(idx.shape)}, "
+                f"got {tuple(getattr(targets, 'shape', ()))}"
+            )
+        if not return_logits:
+            w = self.lm_head.weight
+            hf = h.flatten(0, 1)
+            if torch.is_autocast_enabled(h.device.type):  # the head runs in the autocast dtype
+                dtype = torch.get_autocast_dtype(h.device.type)
+                hf, w = hf.to(dtype), w.to(dtype)
+            return None, linear_cross_entropy(hf, w, targets.flatten(), ignore_index=-1)
+        logits = self.lm_head(h)  # [B,T,V]
         loss = None
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
-                raise ValueError(
-                    f"targets must be a tensor of the same shape as idx {tuple(idx.shape)}, "
-                    f"got {tuple(getattr(targets, 'shape', ()))}"
-                )
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            acc = torch.promote_types(logits.dtype, torch.float32)  # float32 at least, float64 kept
+            loss = F.cross_entropy(logits.flatten(0, 1).to(acc), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     def forward_cached(

@@ -268,7 +268,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
         with torch.no_grad(), autocast:
             for starts in eval_starts:
                 x, y = get_batch(data.val, starts, block, info.device)
-                losses.append(model(x, y)[1].float().item())
+                losses.append(model(x, y, return_logits=False)[1].float().item())
         model.train()
         return all_mean(info, float(np.mean(losses)))
 
@@ -303,7 +303,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
                 sync = a == accum - 1 or not info.enabled
                 with (contextlib.nullcontext() if sync else forward.no_sync()):
                     with autocast:
-                        _, loss = forward(x, y)
+                        _, loss = forward(x, y, return_logits=False)
                     scaler.scale(loss / accum).backward()
                 loss_sum += loss.detach().float()
             loss_value = all_mean(info, loss_sum.item() / accum)

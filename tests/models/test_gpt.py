@@ -75,6 +75,37 @@ def test_ignore_index_in_targets():
     torch.testing.assert_close(loss, ref)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_loss_without_logits_equals_plain_loss_and_grads(attention):
+    """return_logits=False (the training path) gives the same loss and gradients, tied head included."""
+    model = GPT(tiny(attention=attention, vocab_size=61)).double()
+    idx = torch.randint(0, 61, (2, 9))
+    targets = idx.roll(-1, 1)
+    targets[0, :3] = -1
+    logits, ref = model(idx, targets)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    none, got = model(idx, targets, return_logits=False)
+    assert none is None
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, list(model.parameters())), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="return_logits=False needs targets"):
+        model(idx, return_logits=False)
+    with pytest.raises(ValueError, match="targets must be a tensor of the same shape"):
+        model(idx, targets[:, :4], return_logits=False)
+
+
+def test_loss_without_logits_under_bf16_autocast():
+    model = GPT(tiny())
+    idx = torch.randint(0, 61, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, ref = model(idx, idx)
+        _, got = model(idx, idx, return_logits=False)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    got.backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32
+
+
 def test_init_and_param_count_match_nanogpt():
     cfg = tiny(n_layer=8, n_embd=64, vocab_size=500)
     model = GPT(cfg)

@@ -102,8 +102,8 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_config, monke
     calls = {"n": 0}
     forward = GPT.forward
 
-    def poisoned(self, idx, targets=None):
-        logits, loss = forward(self, idx, targets)
+    def poisoned(self, idx, targets=None, **kw):
+        logits, loss = forward(self, idx, targets, **kw)
         if self.training:
             calls["n"] += 1
             if calls["n"] == 5:
