@@ -120,7 +120,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     elif which == "train":
         from .train import run_train
 
-        n = len(prof.sizes) * (len(prof.forms) + 1) * len(prof.train_T)
+        n = len(prof.sizes) * (len(prof.forms) + 2) * len(prof.train_T)
         bar = Progress(n, "train")
         points = run_train(prof.train_T, prof.caps, sizes=prof.sizes, forms=prof.forms, device=device, on_point=bar)
         title = "GPT training step (forward + backward + AdamW), batch 1, vocab 50257"
@@ -137,6 +137,12 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     speedups = [speedup(rows, fast, slow) for fast, slow in comparisons]
     verb = "decodes" if which == "generate" else "runs" if which == "ops" else "trains"
     lines = [headline(s, verb) for s in speedups]
+    if which == "train":
+        from .report import floor_line
+        from .train import FLOOR
+
+        lines += [line for s in prof.sizes if (line := floor_line(rows, f"{s} softmax (SDPA)", f"{s} linear chunked",
+                                                                  f"{s} {FLOOR}"))]
     print(f"\n== {which}: {title}  [{time.perf_counter() - t0:.0f}s]")
     print("time per step, ms (s where marked):")
     print(table(rows, "time_s"))
@@ -148,7 +154,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         print(table(rows, "cache_bytes"))
     for line in lines:
         print("headline:", line)
-    result = {"rows": rows, "speedups": speedups, "headline": " | ".join(lines), "title": title}
+    result = {"rows": rows, "speedups": speedups, "headline": " | ".join(lines), "lines": lines, "title": title}
     if out is not None:
         info = machine_info(device)
         meta = {"benchmark": which, "title": title, "machine": info, "caps": prof.caps.__dict__,

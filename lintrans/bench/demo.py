@@ -62,6 +62,8 @@ def run(args) -> int:
     print("\n" + "=" * 80)
     _say("attention op (fwd + bwd, H=8, D=64)", ops["speedups"][0], "runs")
     _say(f"GPT {args.size} training step (vocab 50257, batch 1)", train["speedups"][0], "trains")
+    for line in train["lines"][len(train["speedups"]):]:  # the no-mixing floor: what any attention could gain
+        print("  " + line + ".")
     if gen is not None:
         rows = {(r["series"], r["T"]): r for r in gen["rows"] if r["status"] == "ok"}
         for name in ("linear state", "softmax KV cache"):

@@ -78,6 +78,19 @@ def headline(s: dict, what: str = "trains") -> str:
     return "; ".join(parts)
 
 
+def floor_line(rows: list[dict], slow: str, fast: str, floor: str) -> Optional[str]:
+    """At the longest context all three reached: the most any attention could gain over ``slow``
+    (slow / floor, Amdahl's bound) and how much of it ``fast`` gets."""
+    t = {(r["series"], r["T"]): r["time_s"] for r in rows if r["status"] == "ok"}
+    Ts = [T for (s, T) in t if s == floor and (slow, T) in t and (fast, T) in t]
+    if not Ts:
+        return None
+    T = max(Ts)
+    bound, got = t[(slow, T)] / t[(floor, T)], t[(slow, T)] / t[(fast, T)]
+    return (f"at T = {T} a GPT with no token mixing takes {t[(floor, T)]:.3g} s, so no attention could train more "
+            f"than {bound:.2f}x faster than {slow}; {fast} reaches {got:.2f}x")
+
+
 def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[str, Path]:
     """docs/results/<name>/{<name>.json, .csv, .md}: rows with the machine and the settings."""
     out = Path(out)

@@ -22,9 +22,14 @@ SIZES = {
 LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
 
 
-def train_series(forms=LINEAR_FORMS) -> list[tuple[str, str, Optional[str]]]:
-    """(series name, attention, form) in plotting order."""
-    return [("softmax (SDPA)", "softmax", None)] + [(f"linear {f}", "linear", f) for f in forms]
+FLOOR = "no mixing (floor)"
+
+
+def train_series(forms=LINEAR_FORMS, floor: bool = True) -> list[tuple[str, str, Optional[str]]]:
+    """(series name, attention, form) in plotting order. The floor is the same GPT with attention
+    "none": everything but the token mixing, so softmax / floor bounds what any mechanism can gain."""
+    series = [("softmax (SDPA)", "softmax", None)] + [(f"linear {f}", "linear", f) for f in forms]
+    return series + ([(FLOOR, "none", None)] if floor else [])
 
 
 def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu") -> int:
@@ -37,7 +42,7 @@ def gpt_config(size: str, T: int, attention: str, form: Optional[str], chunk_siz
     from lintrans.models import GPTConfig
 
     n_layer, n_head, n_embd = SIZES[size]
-    opts = {} if attention == "softmax" else {"form": form, "chunk_size": chunk_size}
+    opts = {"form": form, "chunk_size": chunk_size} if attention == "linear" else {}
     return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=VOCAB, block_size=T,
                      dropout=0.0, attention=attention, attention_options=opts, **overrides)
 
@@ -62,11 +67,11 @@ def make_train_step(config, T: int, device: str = "cpu"):
 
 
 def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORMS, device: str = "cpu",
-              tuned_chunk: bool = True, on_point=None) -> list[Point]:
+              tuned_chunk: bool = True, floor: bool = True, on_point=None) -> list[Point]:
     points: list[Point] = []
     for size in sizes:
         head_dim = SIZES[size][2] // SIZES[size][1]
-        for name, attention, form in train_series(forms):
+        for name, attention, form in train_series(forms, floor):
             label = f"{size} {name}"
 
             def make(T, attention=attention, form=form):

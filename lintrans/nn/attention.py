@@ -1,4 +1,5 @@
-"""Softmax and linear attention layers for the GPT, registered as ``softmax`` and ``linear``.
+"""Softmax and linear attention layers for the GPT, registered as ``softmax`` and ``linear``
+(and ``none``, the no-mixing baseline).
 
 Both share nanoGPT's parameters (``c_attn`` producing q, k, v in one matmul, ``c_proj``), so a
 pretrained softmax model can be switched to linear attention without touching its weights.
@@ -133,6 +134,24 @@ class SoftmaxAttention(QKVAttention):
             enable_gqa=self.n_kv_head != self.n_head,
         )  # [B,H,T,D]
         return self.out(o.transpose(1, 2)), (cache if use_cache else None)
+
+
+@register_attention("none")
+class NoMixingAttention(QKVAttention):
+    """No token mixing: each position gets only its own value (softmax with only the diagonal).
+
+    A baseline, not a model to train for quality: it has the same parameters and projections as
+    every other mechanism here, so a GPT with it costs exactly everything but the mixing. The
+    training benchmark uses it as the floor no attention mechanism can go below.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        _check_options("none", dict(config.attention_options), {})
+
+    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
+        _, _, v = self.qkv(x)  # [B,T,Hkv,D]; q and k are computed and dropped, as their cost is real
+        return self.out(self.repeat_kv(v, dim=2)), None
 
 
 # ---------------------------------------------------------------------------------------------

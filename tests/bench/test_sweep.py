@@ -76,3 +76,24 @@ def test_speedup_headline_and_files(tmp_path):
     from lintrans.bench.plots import plot_sweep
 
     assert plot_sweep(rows, tmp_path / "x.png", "t").stat().st_size > 0
+
+
+def test_floor_line_bounds_what_any_attention_can_gain():
+    from lintrans.bench.report import floor_line
+
+    ok = lambda s, T, t: {"series": s, "T": T, "status": "ok", "time_s": t}  # noqa: E731
+    rows = [ok("soft", 256, 1.0), ok("lin", 256, 0.9), ok("none", 256, 0.8),
+            ok("soft", 512, 6.0), ok("lin", 512, 2.0), ok("none", 512, 1.5),
+            ok("lin", 1024, 4.0), ok("none", 1024, 3.0)]  # softmax stopped: 512 is the last common T
+    line = floor_line(rows, "soft", "lin", "none")
+    assert "at T = 512" in line and "4.00x faster than soft" in line and "lin reaches 3.00x" in line
+    assert floor_line(rows, "soft", "lin", "absent") is None
+
+
+def test_train_series_ends_with_the_no_mixing_floor():
+    from lintrans.bench.train import FLOOR, gpt_config, train_series
+
+    series = train_series(("chunked",))
+    assert [s[0] for s in series] == ["softmax (SDPA)", "linear chunked", FLOOR]
+    assert gpt_config("4L-128", 64, "none", None).attention == "none"
+    assert train_series(("chunked",), floor=False)[-1][0] == "linear chunked"

@@ -20,6 +20,8 @@ def reference(layer, x, attention, n_kv_head, **opts):
     B, T, C = x.shape
     if attention == "softmax":
         o = softmax_attention_reference(q, k, v)
+    elif attention == "none":  # softmax restricted to the diagonal: each token's own value
+        o = v
     else:
         o, _ = linear_attention_reference(q, k, v, **opts)
     return o.reshape(B, T, C) @ layer.c_proj.weight.T + layer.c_proj.bias
@@ -29,7 +31,7 @@ def reference(layer, x, attention, n_kv_head, **opts):
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 @pytest.mark.parametrize(
     "attention, opts",
-    [("softmax", {}), ("linear", {"feature_map": "elu", "chunk_size": 4}),
+    [("softmax", {}), ("none", {}), ("linear", {"feature_map": "elu", "chunk_size": 4}),
      ("linear", {"feature_map": "relu", "form": "attention", "eps": 1e-3}),
      ("linear", {"feature_map": "identity", "normalize": False, "scale": 0.5})],
 )
