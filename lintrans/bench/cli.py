@@ -1,4 +1,4 @@
-"""`lintrans bench ops|train|generate|all --profile quick|full [--out DIR]`.
+"""`lintrans bench ops|train|generate|loss|all --profile quick|full [--out DIR]`.
 
 Each benchmark prints a table (time per step against T, one row per algorithm), and with ``--out``
 writes ``<out>/<name>.json`` (rows + machine + settings), ``.csv``, ``.md`` and a log-log ``.png``.
@@ -16,7 +16,7 @@ import torch
 
 from .measure import Caps, Point
 
-BENCHMARKS = ("ops", "train", "generate")
+BENCHMARKS = ("ops", "train", "generate", "loss")
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -125,6 +125,13 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         points = run_train(prof.train_T, prof.caps, sizes=prof.sizes, forms=prof.forms, device=device, on_point=bar)
         title = "GPT training step (forward + backward + AdamW), batch 1, vocab 50257"
         comparisons = [(f"{s} linear chunked", f"{s} softmax (SDPA)") for s in prof.sizes]
+    elif which == "loss":
+        from .loss import run_loss
+
+        bar = Progress(2 * len(prof.train_T), "loss")
+        points = run_loss(prof.train_T, prof.caps, device=device, on_point=bar)
+        title = "LM-head loss, forward + backward (D=128, vocab 50257)"
+        comparisons = [("linear_cross_entropy", "logits + F.cross_entropy")]
     else:
         from .generate import run_generate
 
@@ -135,7 +142,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     bar.close()
     rows = [p.row() for p in points]
     speedups = [speedup(rows, fast, slow) for fast, slow in comparisons]
-    verb = "decodes" if which == "generate" else "runs" if which == "ops" else "trains"
+    verb = {"generate": "decodes", "train": "trains"}.get(which, "runs")
     lines = [headline(s, verb) for s in speedups]
     if which == "train":
         from .report import floor_line

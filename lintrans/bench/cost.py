@@ -35,7 +35,7 @@ class ModelShape:
     n_kv_head: Optional[int] = None
     bias: bool = True
     mlp: str = "gelu"
-    attention: str = "softmax"  # softmax | linear
+    attention: str = "softmax"  # softmax | linear | none (no token mixing)
     form: str = "chunked"
     chunk_size: int = 64
     feature_dim: Optional[int] = None  # None: the head dim (elu, relu, softplus, identity)
@@ -112,8 +112,10 @@ def attention_core_flops(m: ModelShape, T: int, B: int = 1) -> float:
             per_layer = B * N * T * (T + 1) * (F + E) + state_terms
         else:  # state_parallel, state_loop: one F x E contraction per token (plus T F E element-wise)
             per_layer = 2 * B * N * T * F * E
+    elif m.attention == "none":  # no token mixing: the benchmark's floor
+        per_layer = 0
     else:
-        raise ValueError(f"attention must be 'softmax' or 'linear' for the cost model, got {m.attention!r}")
+        raise ValueError(f"attention must be 'softmax', 'linear' or 'none' for the cost model, got {m.attention!r}")
     return float(m.n_layer * per_layer)
 
 
@@ -135,6 +137,20 @@ def forward_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
 def training_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
     """Forward + backward: 3x the forward for every matmul (seed 001)."""
     return {k: 3 * v for k, v in forward_flops(m, T, B).items()}
+
+
+def speedup_bounds(soft: ModelShape, lin: ModelShape, T: int, B: int = 1) -> dict[str, float]:
+    """Training-FLOP ratios that bound the measured softmax / linear speed-up at context T.
+
+    ``dense``: softmax attention counted as the full T x T (what FLOP counters report);
+    ``causal``: half of it, what a causal flash kernel such as SDPA's actually computes;
+    ``no_mixing``: softmax (causal) over the same model with no attention at all, Amdahl's bound
+    for *any* mechanism, since everything else (projections, MLP, LM head) stays.
+    """
+    fs, fl = training_flops(soft, T, B), training_flops(lin, T, B)
+    causal = fs["total"] - fs["attention"] / 2
+    rest = fs["total"] - fs["attention"]
+    return {"dense": fs["total"] / fl["total"], "causal": causal / fl["total"], "no_mixing": causal / rest}
 
 
 def attention_crossover(m: ModelShape, T_max: int = 1 << 24) -> Optional[int]:

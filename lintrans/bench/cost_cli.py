@@ -6,7 +6,7 @@ import argparse
 
 from .cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
-    training_flops,
+    speedup_bounds, training_flops,
 )
 from .train import SIZES, VOCAB
 
@@ -67,7 +67,11 @@ def run(args) -> int:
         print(f"  {'component':<22}{'softmax':>12}{'linear':>12}")
         for k in fs:
             print(f"  {k:<22}{_g(fs[k]):>12}{_g(fl[k]):>12}")
-        print(f"  FLOP ratio softmax / linear: {fs['total'] / fl['total']:.2f}x (the most a linear model can gain)")
+        bound = speedup_bounds(soft, lin, T, B)
+        print(f"  FLOP ratio softmax / linear: {bound['dense']:.2f}x counting the full T^2, {bound['causal']:.2f}x "
+              "counting the causal half (what SDPA computes)")
+        print(f"  with no attention at all the step would have {bound['no_mixing']:.2f}x fewer FLOPs than softmax: "
+              "no mechanism can gain more (Amdahl)")
         inf_s, inf_l = forward_flops(soft, T, B)["total"], forward_flops(lin, T, B)["total"]
         print(f"  inference (forward) FLOPs: softmax {_g(inf_s)}, linear {_g(inf_l)}")
         cb = cache_bytes(soft, T, B, args.dtype)

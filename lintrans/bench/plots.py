@@ -32,7 +32,9 @@ def plot_sweep(rows: list[dict], path: Path, title: str, *, value: str = "time_s
             if not ok:
                 continue
             xs, ys = [p["T"] for p in ok], [p[key] * scale for p in ok]
-            (line,) = ax.plot(xs, ys, marker="o", ms=3, label=name)
+            # a baseline (the no-mixing floor) is drawn dashed in black: a bound, not a competitor
+            style = dict(ls="--", color="black", alpha=0.6) if "floor" in name else {}
+            (line,) = ax.plot(xs, ys, marker="o", ms=3, label=name, **style)
             end = pts[-1]
             if end["status"] != "ok":
                 ax.plot([xs[-1]], [ys[-1]], marker="x", ms=9, mew=2, color=line.get_color())

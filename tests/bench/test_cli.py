@@ -34,3 +34,11 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
     data = json.loads((out / "ops.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked"}
     assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0
+
+
+def test_bench_loss_writes_both_series(tmp_path):
+    out = tmp_path / "res"
+    assert main(["bench", "loss", "--max-T", "256", "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "loss.json").read_text())
+    assert {r["series"] for r in data["rows"]} == {"logits + F.cross_entropy", "linear_cross_entropy"}
+    assert all(r["status"] == "ok" for r in data["rows"])

@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lintrans.bench.cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
-    training_flops,
+    speedup_bounds, training_flops,
 )
 from lintrans.models import GPT, GPTConfig
 
@@ -18,6 +18,7 @@ CONFIGS = [
     ("linear", {"form": "attention"}, 64, {}),
     ("linear", {"form": "attention_blocked", "chunk_size": 16}, 50, {}),
     ("linear", {"form": "state_parallel"}, 40, {}),
+    ("none", {}, 64, {}),  # the no-mixing floor: every matmul but the attention
 ]
 
 
@@ -79,3 +80,15 @@ def test_intensity_and_mfu():
 def test_unknown_attention_rejected():
     with pytest.raises(ValueError, match="attention must be"):
         forward_flops(ModelShape(attention="aft"), 16)
+
+
+def test_speedup_bounds():
+    soft = ModelShape(n_layer=12, n_head=2, n_embd=128)
+    lin = ModelShape(n_layer=12, n_head=2, n_embd=128, attention="linear", chunk_size=64)
+    none = ModelShape(n_layer=12, n_head=2, n_embd=128, attention="none")
+    b = speedup_bounds(soft, lin, 16384)
+    fs, fl, fn = (training_flops(m, 16384)["total"] for m in (soft, lin, none))
+    assert b["dense"] == pytest.approx(fs / fl)
+    half = fs - training_flops(soft, 16384)["attention"] / 2
+    assert b["causal"] == pytest.approx(half / fl) and b["no_mixing"] == pytest.approx(half / fn)
+    assert 1 < b["causal"] < b["no_mixing"] < b["dense"] * 2
