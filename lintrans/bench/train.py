@@ -18,6 +18,9 @@ SIZES = {
     # attention-heavy: deep and narrow, so the T^2 term outweighs the 50257-wide LM head sooner
     "12L-256": (12, 4, 256),
     "12L-768 (GPT-2 124M)": (12, 12, 768),
+    # attention-dominated: the no-mixing bound grows with L T / V, so depth is what lets the
+    # attention term outgrow the LM head at batch 1 (lintrans cost: 7.3x at 16k, 12L-128 3.9x)
+    "48L-128": (48, 2, 128),
 }
 LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
 
