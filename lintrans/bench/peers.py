@@ -1,23 +1,42 @@
-"""Other implementations of the same causal linear attention, timed beside ours when installed.
+"""Other implementations of causal linear attention, timed beside ours when installed.
 
-Optional extra ``peers``: fast-transformers' causal-product kernel (Katharopoulos et al.; the sdist
-builds on CPU torch with ``pip install --no-build-isolation`` and nvcc hidden from PATH).
-Manifest's ``retention`` package is not wired in: its ``__init__`` imports its Triton kernels, so
-even the reference implementation needs Triton, and it computes symmetric power retention
-(a different feature map and an output norm), not this op.
+Optional peers (docs/benchmarks.md says how to install each):
+
+* fast-transformers' CPU causal-product kernel (Katharopoulos et al.), wrapped to compute exactly
+  ``linear_attention`` with the same feature map.
+* the reference implementation of Manifest's ``retention`` (``retention.reference``): symmetric power
+  retention of degree 2 without gating, which is causal linear attention with the squared feature
+  map ``(q . k / sqrt(d))^2``. Ours computes it with ``squared_features`` and the chunked form, and
+  the benchmark times the pair side by side at the same chunk size.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
+
+# the chunk both retention series use; retention pads T up to a multiple of it
+RETENTION_CHUNK = 128
 
 
 def peer_ops(feature_map: str = "elu") -> dict[str, Callable]:
-    """name -> fn(q, k, v) -> o on [B, T, H, D], computing what ``linear_attention`` computes."""
+    """name -> fn(q, k, v) -> o on [B, T, H, D], for every peer that imports here.
+
+    The fast-transformers entry computes what ``linear_attention(feature_map=feature_map)`` does;
+    the retention entry comes with the lintrans op that computes the same thing.
+    """
     out: dict[str, Callable] = {}
+    out.update(_fast_transformers(feature_map))
+    out.update(_retention())
+    return out
+
+
+def _fast_transformers(feature_map: str) -> dict[str, Callable]:
     try:
         from fast_transformers.causal_product import causal_dot_product
     except ImportError:
-        return out
+        return {}
+    import torch
+
     from lintrans.ops import resolve_feature_map
 
     phi_q, phi_k = resolve_feature_map(feature_map)
@@ -32,7 +51,38 @@ def peer_ops(feature_map: str = "elu") -> dict[str, Callable]:
         )  # [B,H,T,Dv]
         return num.permute(0, 2, 1, 3) * z[..., None]
 
-    import torch
+    return {"fast-transformers causal_product": fast_transformers_causal}
 
-    out["fast-transformers causal_product"] = fast_transformers_causal
-    return out
+
+def power2_feature_map(x):
+    """phi(q) . phi(k) = (q . k / sqrt(d))^2: the feature map of degree-2 power retention."""
+    from lintrans.ops.feature_maps import squared_features
+
+    return squared_features(x * x.shape[-1] ** -0.25)  # [..., d(d+1)/2]
+
+
+def power2_linear_attention(q, k, v, chunk_size: int = RETENTION_CHUNK):
+    """Our chunked linear attention computing retention's degree-2 power retention (no gating).
+
+    eps=0: retention adds its 1e-6 to a row sum scaled so that its largest term is 1, i.e. relative to
+    the row, where our eps is absolute; with squared scores the first tokens' sums can be that small.
+    """
+    from lintrans.ops import linear_attention
+
+    return linear_attention(q, k, v, feature_map=power2_feature_map, form="chunked", chunk_size=chunk_size,
+                            eps=0.0)[0]
+
+
+def _retention() -> dict[str, Callable]:
+    try:
+        from retention.reference import power_retention
+    except Exception:  # not installed, or its package import (which loads Triton) fails here
+        return {}
+
+    def retention_reference(q, k, v):
+        return power_retention(q, k, v, deg=2, scale=1.0 / math.sqrt(q.shape[-1]), chunk_size=RETENTION_CHUNK)
+
+    return {
+        "retention reference (power 2)": retention_reference,
+        "linear chunked, power-2 features": power2_linear_attention,
+    }
