@@ -76,14 +76,25 @@ def make_op_step(fn: Callable, T: int, *, B: int = 1, H: int = 8, D: int = 64, d
     return step
 
 
+def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Callable]:
+    """The series named exactly in ``only`` or whose name contains one of ``only``; a peer's
+    companion is matched by its peer's name (or its own in full)."""
+    from .peers import COMPANION_OF
+
+    def picks(n: str, name: str) -> bool:
+        return n == name or n in COMPANION_OF.get(name, name)
+
+    unknown = [n for n in only if not any(picks(n, name) for name in series)]
+    if unknown:
+        raise ValueError(f"unknown op series {unknown}; available: {list(series)}")
+    return {name: fn for name, fn in series.items() if any(picks(n, name) for n in only)}
+
+
 def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, H: int = 8,
             D: int = 64, device: str = "cpu", on_point=None) -> list[Point]:
     series = op_series(chunk_size)
     if only:
-        unknown = [n for n in only if not any(n in s for s in series)]
-        if unknown:
-            raise ValueError(f"unknown op series {unknown}; available: {list(series)}")
-        series = {name: fn for name, fn in series.items() if any(n in name for n in only)}
+        series = select_series(series, only)
     points: list[Point] = []
     for name, fn in series.items():
         points += sweep(name, Ts, lambda T, fn=fn: make_op_step(fn, T, H=H, D=D, device=device), caps,

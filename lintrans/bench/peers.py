@@ -16,6 +16,11 @@ from typing import Callable
 
 # the chunk both retention series use; retention pads T up to a multiple of it
 RETENTION_CHUNK = 128
+RETENTION_SERIES = "retention reference (power 2)"
+POWER2_SERIES = "linear chunked, power-2 features"
+# series that exist to be read beside a peer: ``--ops`` selects them through the peer's name only,
+# so that asking for "chunked" does not also run the (much slower) power-2 feature map
+COMPANION_OF = {POWER2_SERIES: RETENTION_SERIES}
 
 
 def peer_ops(feature_map: str = "elu") -> dict[str, Callable]:
@@ -82,7 +87,4 @@ def _retention() -> dict[str, Callable]:
     def retention_reference(q, k, v):
         return power_retention(q, k, v, deg=2, scale=1.0 / math.sqrt(q.shape[-1]), chunk_size=RETENTION_CHUNK)
 
-    return {
-        "retention reference (power 2)": retention_reference,
-        "linear chunked, power-2 features": power2_linear_attention,
-    }
+    return {RETENTION_SERIES: retention_reference, POWER2_SERIES: power2_linear_attention}

@@ -44,3 +44,16 @@ def test_retention_reference_matches_our_power2_op(T):
     g = torch.randn_like(o_ours)
     for a, b in zip(torch.autograd.grad(o_peer, (q, k, v), g), torch.autograd.grad(o_ours, (q, k, v), g)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_ops_selection_keeps_companions_with_their_peer():
+    from lintrans.bench.ops import select_series
+    from lintrans.bench.peers import POWER2_SERIES, RETENTION_SERIES
+
+    series = {"softmax (SDPA)": 0, "linear chunked": 1, RETENTION_SERIES: 2, POWER2_SERIES: 3}
+    assert list(select_series(series, ["chunked", "softmax"])) == ["softmax (SDPA)", "linear chunked"]
+    assert list(select_series(series, ["retention"])) == [RETENTION_SERIES, POWER2_SERIES]
+    assert list(select_series(series, ["power 2"])) == [RETENTION_SERIES, POWER2_SERIES]
+    assert list(select_series(series, [POWER2_SERIES])) == [POWER2_SERIES]  # its full name picks it
+    with pytest.raises(ValueError, match="unknown op series"):
+        select_series(series, ["power-2 features"])  # part of a companion's own name does not

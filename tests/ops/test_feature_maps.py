@@ -59,6 +59,22 @@ def test_squared_features_give_squared_dot_product(d, symmetric):
     torch.testing.assert_close((px * py).sum(-1), (x * y).sum(-1) ** 2, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("d", [1, 2, 7])
+def test_symmetric_squared_features_layout_and_gradients(d):
+    """Row-major upper triangle: x_a x_b for a <= b, off-diagonal scaled by sqrt(2); gradients
+    through the sliced construction equal those of the explicit product list."""
+    x = torch.randn(3, 2, d, dtype=torch.float64, requires_grad=True)
+    pairs = [(a, b) for a in range(d) for b in range(a, d)]
+    explicit = torch.stack([x[..., a] * x[..., b] * (1.0 if a == b else math.sqrt(2.0)) for a, b in pairs], -1)
+    got = squared_features(x)
+    torch.testing.assert_close(got, explicit, rtol=1e-14, atol=1e-14)
+    w = torch.randn_like(explicit)
+    (g,) = torch.autograd.grad((got * w).sum(), x)
+    (g_ref,) = torch.autograd.grad((explicit * w).sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=1e-13, atol=1e-13)
+    assert squared_features(x.detach().float()).dtype == torch.float32
+
+
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4, 4), (2, 9, 3, 5, 3)])  # T=1; odd D, Dk != Dv, B, H > 1
 def test_named_map_output_and_gradients_match_definition(name, shape):
