@@ -20,11 +20,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from lintrans.models.config import HeadGeometry
+
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
 @dataclass
-class ModelShape:
+class ModelShape(HeadGeometry):
     """What the cost depends on; ``from_config`` reads a ``GPTConfig``."""
 
     n_layer: int = 12
@@ -56,14 +58,6 @@ class ModelShape:
             attention=config.attention, form=opts.get("form", "chunked"),
             chunk_size=chunk if isinstance(chunk, int) else 64, feature_dim=fdim,
         )
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def F(self) -> int:

@@ -20,8 +20,25 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"GPTConfig.{name} must be one of {list(allowed)}, got {value!r}")
 
 
+class HeadGeometry:
+    """Per-head sizes derived from ``n_embd``, ``n_head`` and ``n_kv_head`` (shared by the model
+    config and the cost model's shape)."""
+
+    n_embd: int
+    n_head: int
+    n_kv_head: Optional[int]
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+
 @dataclass
-class GPTConfig:
+class GPTConfig(HeadGeometry):
     """GPT-2 / nanoGPT hyper-parameters plus the attention mechanism and a few modern options.
 
     attention: a name from ``lintrans.nn.available_attention()`` (``softmax``, ``linear``, ...);
@@ -70,14 +87,6 @@ class GPTConfig:
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("gelu_approximate", self.gelu_approximate, GELU_APPROXIMATIONS)
         _check_choice("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

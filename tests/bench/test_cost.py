@@ -92,3 +92,13 @@ def test_speedup_bounds():
     half = fs - training_flops(soft, 16384)["attention"] / 2
     assert b["causal"] == pytest.approx(half / fl) and b["no_mixing"] == pytest.approx(half / fn)
     assert 1 < b["causal"] < b["no_mixing"] < b["dense"] * 2
+
+
+def test_cost_model_and_config_load_without_torch():
+    # `lintrans cost` is arithmetic: it must not pay torch's import (a fresh interpreter checks it)
+    import subprocess
+    import sys
+
+    code = "import sys, lintrans.bench.cost, lintrans.models.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
