@@ -8,7 +8,7 @@ from .cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
     speedup_bounds, training_flops,
 )
-from .train import SIZES, VOCAB
+from .sizes import SIZES, VOCAB
 
 
 def configure(p: argparse.ArgumentParser) -> None:

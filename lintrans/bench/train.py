@@ -7,21 +7,8 @@ from typing import Optional
 import torch
 
 from .measure import Caps, Point, sweep
+from .sizes import SIZES, VOCAB  # noqa: F401  (re-exported: the sizes are part of this benchmark)
 
-VOCAB = 50257
-# name -> (n_layer, n_head, n_embd); head dim 64 throughout, as in GPT-2
-SIZES = {
-    "4L-128": (4, 2, 128),  # the quick profile: small enough that T = 8k fits the demo's minutes
-    "12L-128": (12, 2, 128),  # the demo: deep and narrow so attention, not the LM head, sets the pace
-    "2L-256": (2, 4, 256),
-    "6L-384": (6, 6, 384),
-    # attention-heavy: deep and narrow, so the T^2 term outweighs the 50257-wide LM head sooner
-    "12L-256": (12, 4, 256),
-    "12L-768 (GPT-2 124M)": (12, 12, 768),
-    # attention-dominated: the no-mixing bound grows with L T / V, so depth is what lets the
-    # attention term outgrow the LM head at batch 1 (lintrans cost: 7.3x at 16k, 12L-128 3.9x)
-    "48L-128": (48, 2, 128),
-}
 LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
 
 
