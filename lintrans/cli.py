@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -43,7 +44,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def use_huge_pages() -> None:
+    """Ask PyTorch's CPU allocator for transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, PyTorch
+    >= 2.2, Linux) unless the variable is already set.
+
+    Tensors above glibc's 32 MiB mmap threshold get fresh pages on every allocation; with 4 KiB
+    pages, faulting them in took half of a chunked attention step at T = 16k on the 2-core
+    benchmark machine (docs/benchmarks.md). PyTorch reads the variable at its first large
+    allocation, so this must run before any tensor work; ``THP_MEM_ALLOC_ENABLE=0`` opts out.
+    """
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
+    use_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     if command not in SUBCOMMANDS:

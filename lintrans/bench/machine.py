@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "n/a"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
+
+
 def machine_info(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu_model(),
@@ -28,6 +37,9 @@ def machine_info(device: str = "cpu") -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": device,
+        # PyTorch's huge-page allocation (set by the lintrans CLI) and the kernel's THP mode
+        "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+        "transparent_hugepage": _thp_mode(),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
