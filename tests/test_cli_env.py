@@ -1,4 +1,5 @@
 """The CLI's process settings: PyTorch's huge-page CPU allocation, unless the user chose."""
+import os
 import sys
 
 import pytest
@@ -10,8 +11,6 @@ from lintrans.cli import use_huge_pages
 def test_cli_asks_for_huge_pages_unless_set(monkeypatch):
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     use_huge_pages()
-    import os
-
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # an explicit opt-out is kept
     use_huge_pages()

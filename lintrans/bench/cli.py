@@ -188,7 +188,8 @@ def build_profile(args) -> Profile:
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2
     prof.caps.memory_bytes = int(mem) or None
     prof.ops_only = args.ops
-    from .train import LINEAR_FORMS, SIZES
+    from .sizes import SIZES
+    from .train import LINEAR_FORMS
 
     for name in getattr(args, "sizes", None) or ():
         if name not in SIZES:

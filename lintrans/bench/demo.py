@@ -40,7 +40,7 @@ def _say(name: str, s: dict, verb: str) -> None:
 
 def run(args) -> int:
     from .cli import powers_of_two, profiles, run_benchmark
-    from .train import SIZES
+    from .sizes import SIZES
 
     if args.size not in SIZES:
         raise SystemExit(f"lintrans demo: --size must be one of {list(SIZES)}, got {args.size!r}")

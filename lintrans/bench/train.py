@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .measure import Caps, Point, sweep
-from .sizes import SIZES, VOCAB  # noqa: F401  (re-exported: the sizes are part of this benchmark)
+from .sizes import SIZES, VOCAB
 
 LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
 

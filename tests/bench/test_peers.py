@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
-from lintrans.bench.peers import peer_ops, power2_feature_map, power2_linear_attention
+from lintrans.bench.peers import (
+    POWER2_SERIES, RETENTION_SERIES, peer_ops, power2_feature_map, power2_linear_attention,
+)
 from lintrans.ops import linear_attention
 
 
@@ -36,8 +38,8 @@ def test_power2_linear_attention_matches_reference_form():
 @pytest.mark.parametrize("T", [128, 100])  # 100: retention pads to its chunk
 def test_retention_reference_matches_our_power2_op(T):
     pytest.importorskip("retention.reference")
-    fn = peer_ops()["retention reference (power 2)"]
-    ours = peer_ops()["linear chunked, power-2 features"]
+    peers = peer_ops()
+    fn, ours = peers[RETENTION_SERIES], peers[POWER2_SERIES]
     q, k, v = _qkv(1, T, 2, 32, seed=1)
     o_peer, o_ours = fn(q, k, v), ours(q, k, v)
     torch.testing.assert_close(o_peer, o_ours, rtol=1e-4, atol=1e-4)
@@ -48,7 +50,6 @@ def test_retention_reference_matches_our_power2_op(T):
 
 def test_ops_selection_keeps_companions_with_their_peer():
     from lintrans.bench.ops import select_series
-    from lintrans.bench.peers import POWER2_SERIES, RETENTION_SERIES
 
     series = {"softmax (SDPA)": 0, "linear chunked": 1, RETENTION_SERIES: 2, POWER2_SERIES: 3}
     assert list(select_series(series, ["chunked", "softmax"])) == ["softmax (SDPA)", "linear chunked"]
