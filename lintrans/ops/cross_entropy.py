@@ -34,26 +34,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_grad else None
         # mean over the rows that count; an all-ignored batch gives nan, as F.cross_entropy does
         denom = count.to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=h.device)
-        buf = torch.empty((min(chunk_rows, N), weight.shape[0]), dtype=acc, device=h.device)
+        # the logits chunk is kept transposed, [V, n]: W @ h^T runs ~1.5x faster than h @ W^T on CPU
+        buf = torch.empty(weight.shape[0] * min(chunk_rows, N), dtype=acc, device=h.device)
         for s in range(0, N, chunk_rows):
             hs, ts, ks = h[s:s + chunk_rows], targets[s:s + chunk_rows], keep[s:s + chunk_rows]
+            n = hs.shape[0]
+            logits = buf[:weight.shape[0] * n].view(weight.shape[0], n)  # [V, n]
             if h.dtype == acc:  # into one reused buffer: fresh pages for every chunk cost ~40% on CPU
-                logits = torch.mm(hs, weight.t(), out=buf[:hs.shape[0]])  # [n, V]
+                torch.mm(weight, hs.t(), out=logits)
             else:
-                logits = buf[:hs.shape[0]].copy_(hs @ weight.t())  # [n, V]
-            # one exp pass serves both the loss and the softmax: shift by the row max, exp in place
-            logits.sub_(logits.amax(dim=-1, keepdim=True))
-            safe_t = ts.masked_fill(~ks, 0)
-            picked = logits.gather(1, safe_t[:, None]).squeeze(1)  # [n] shifted logit of the target
-            sums = logits.exp_().sum(dim=-1)  # [n]
-            per_row[s:s + chunk_rows] = torch.where(ks, sums.log() - picked, 0.0)
+                logits.copy_(weight @ hs.t())
+            # one exp pass serves both the loss and the gradient: shift by the column max, exp in place
+            logits.sub_(logits.amax(dim=0))
+            safe_t = ts.masked_fill(~ks, 0)[None]  # [1, n]
+            picked = logits.gather(0, safe_t).squeeze(0)  # [n] shifted logit of the target
+            sums = logits.exp_().sum(dim=0)  # [n]
+            per_row[s:s + n] = torch.where(ks, sums.log() - picked, 0.0)
             if needs_grad:
                 w_row = ks.to(acc) / denom  # ignored rows get no gradient
-                g = logits.mul_((w_row / sums)[:, None])  # softmax, weighted, in place of the logits
-                g.scatter_add_(1, safe_t[:, None], -w_row[:, None])  # minus the one-hot
-                g = g.to(h.dtype)
-                grad_h[s:s + chunk_rows] = g @ weight  # [n, d]
-                grad_w.add_(g.t() @ hs)  # [V, d]
+                if h.dtype == acc:
+                    # exp - sums * onehot is sums * (softmax - onehot): the 1 / sums goes onto the
+                    # [n, d] operands instead of a pass over the [V, n] chunk
+                    g = logits.scatter_add_(0, safe_t, -sums[None])
+                    scale = (w_row / sums)[:, None]  # [n, 1]
+                else:  # low precision: normalise first, so that no entry can overflow (fp16 < 65504)
+                    g = logits.mul_(1.0 / sums).scatter_add_(0, safe_t, -torch.ones_like(sums)[None])
+                    g, scale = g.to(h.dtype), w_row[:, None].to(h.dtype)
+                gh = grad_h[s:s + n]
+                torch.mm(g.t(), weight, out=gh).mul_(scale)  # [n, d]
+                if h.dtype == acc:
+                    grad_w.addmm_(g, hs * scale)  # [V, d]
+                else:
+                    grad_w.add_(g @ (hs * scale))
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if needs_grad else None)
         ctx.reduction = reduction
         if reduction == "none":

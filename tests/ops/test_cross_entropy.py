@@ -91,6 +91,21 @@ def test_bf16_autocast_close_to_float32():
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
+# error bound relative to the largest gradient entry: a few units of the format's rounding (2^-8, 2^-11)
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_low_precision_gradients_close_to_float64(dtype, tol):
+    # the low-precision path normalises before casting (fp16 overflows at 65504); several chunks, ignored rows
+    h, w, t = case(24, 16, 300, ignore=(3, 17), seed=2)
+    hl, wl = h.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
+    got = grads(linear_cross_entropy(hl, wl, t, chunk_rows=10), hl, wl)
+    h, w = hl.detach().double().requires_grad_(), wl.detach().double().requires_grad_()  # the same rounded inputs
+    ref = grads(linear_cross_entropy_reference(h, w, t), h, w)
+    for a, b in zip(got, ref):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=tol * b.abs().max().item())
+    assert got[0][3].abs().max() == 0 and got[0][17].abs().max() == 0  # ignored rows get no gradient
+
+
 @pytest.mark.parametrize(
     "kwargs, err, match",
     [
