@@ -97,3 +97,25 @@ def test_train_series_ends_with_the_no_mixing_floor():
     assert [s[0] for s in series] == ["softmax (SDPA)", "linear chunked", FLOOR]
     assert gpt_config("4L-128", 64, "none", None).attention == "none"
     assert train_series(("chunked",), floor=False)[-1][0] == "linear chunked"
+
+
+def test_floor_is_timed_only_where_softmax_was_and_without_memory(monkeypatch):
+    import lintrans.bench.train as train
+    from lintrans.bench.measure import Caps, Point
+
+    calls = {}
+
+    def fake_sweep(series, Ts, make_step, caps, *, measure_memory=True, **kw):
+        calls[series] = (list(Ts), measure_memory)
+        if "softmax" in series:  # softmax stops at 1024: measured to 512
+            return [Point(series, 256), Point(series, 512), Point(series, 1024, status="time cap")]
+        return [Point(series, T) for T in Ts]
+
+    monkeypatch.setattr(train, "sweep", fake_sweep)
+    Ts = [256, 512, 1024, 2048]
+    train.run_train(Ts, Caps(), sizes=("4L-128",), forms=("chunked",))
+    assert calls["4L-128 softmax (SDPA)"] == (Ts, True)
+    assert calls["4L-128 linear chunked"] == (Ts, True)
+    assert calls[f"4L-128 {train.FLOOR}"] == ([256, 512], False)
+    assert train._floor_Ts(Ts, [], "absent") == Ts  # softmax not run: the floor everywhere
+    assert train._floor_Ts(Ts, [Point("s", 256, status="oom")], "s") == []
