@@ -68,7 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", nargs="+", default=None, help="op series to include (substrings, e.g. chunked softmax)")
     p.add_argument("--sizes", nargs="+", default=None, help="model sizes for train/generate (default: the profile's)")
     p.add_argument("--forms", nargs="+", default=None, help="linear forms for train (default: the profile's)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (median is kept)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (the fastest is kept)")
     p.add_argument("--device", default="cpu")
 
 
