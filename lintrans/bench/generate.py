@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .measure import Caps, Point, peak_memory, sweep
+from .measure import Caps, Point, Series, peak_memory, sweep_side_by_side
 from .train import gpt_config
 
 
@@ -48,9 +48,7 @@ def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str 
 
 
 def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str = "cpu", on_point=None) -> list[Point]:
-    points: list[Point] = []
     max_T = max(Ts)
-    for name, attention in (("softmax KV cache", "softmax"), ("linear state", "linear")):
-        points += sweep(name, Ts, lambda T, a=attention: make_decode_step(size, T, a, max_T, device), caps,
-                        device=device, measure_memory=False, on_point=on_point)
-    return points
+    series = [Series(name, lambda T, a=attention: make_decode_step(size, T, a, max_T, device), measure_memory=False)
+              for name, attention in (("softmax KV cache", "softmax"), ("linear state", "linear"))]
+    return sweep_side_by_side(series, Ts, caps, device=device, on_point=on_point)

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .measure import Caps, Point, sweep
+from .measure import Caps, Point, Series, sweep_side_by_side
 
 SERIES = ("logits + F.cross_entropy", "linear_cross_entropy")
 
@@ -32,8 +32,5 @@ def make_loss_step(name: str, T: int, *, D: int = 128, V: int = 50257, device: s
 
 def run_loss(Ts: list[int], caps: Caps, *, D: int = 128, V: int = 50257, device: str = "cpu",
              on_point=None) -> list[Point]:
-    points: list[Point] = []
-    for name in SERIES:
-        points += sweep(name, Ts, lambda T, name=name: make_loss_step(name, T, D=D, V=V, device=device), caps,
-                        device=device, on_point=on_point)
-    return points
+    series = [Series(name, lambda T, name=name: make_loss_step(name, T, D=D, V=V, device=device)) for name in SERIES]
+    return sweep_side_by_side(series, Ts, caps, device=device, on_point=on_point)

@@ -156,33 +156,69 @@ def _growth(prev: list[Point], attr: str) -> float:
     return 2.0
 
 
+@dataclass
+class Series:
+    """One curve of a sweep: ``make_step(T)`` returns the step, or (step, facts to record beside it).
+    ``within``: another series' name; this one is measured only at the T where that one was."""
+
+    name: str
+    make_step: Callable[[int], object]
+    measure_memory: bool = True
+    within: Optional[str] = None
+
+
+def sweep_side_by_side(series: list[Series], Ts: Iterable[int], caps: Caps, *, device: str = "cpu",
+                       together: bool = True, on_point: Optional[Callable[[Point], None]] = None) -> list[Point]:
+    """Every series at one T, then the next T; each curve ends at its first point past a cap.
+
+    With ``together`` all steps of a T are built and warmed up first and their timed repeats then
+    taken in turn (A B C A B C ...): this machine's speed drifts by up to 1.7x within seconds, and
+    alternating exposes every series to the same drift, so ratios hold where absolute times do not.
+    Without it (when the steps would not fit in memory at once) each series is measured in turn.
+    Returns the points grouped by series, T ascending.
+    """
+    timing_malloc()
+    done: dict[str, list[Point]] = {s.name: [] for s in series}
+    for T in Ts:
+        group, live = [], []  # this T's points; (series, point, step, warm-up seconds) ready to time
+        for s in series:
+            prev = done[s.name]
+            if prev and prev[-1].status != "ok":
+                continue
+            if s.within is not None and not any(p.T == T and p.status == "ok" for p in done.get(s.within, [])):
+                continue
+            point = Point(s.name, T)
+            group.append(point)
+            ok = [p for p in prev if p.status == "ok"]
+            prev.append(point)
+            if ok and ok[-1].time_s * _growth(ok, "time_s") > caps.time_s:
+                point.status = "time cap"
+            elif ok and caps.memory_bytes and ok[-1].peak_bytes and ok[-1].peak_bytes * _growth(ok, "peak_bytes") > caps.memory_bytes:
+                point.status = "memory cap"
+            else:
+                step, first = _prepare(point, s.make_step, caps, device)
+                if step is not None:
+                    live.append((s, point, step, first))
+                    del step  # the list holds it; gone once timed
+                    if not together:
+                        _time_and_size(live, caps, device)
+        _time_and_size(live, caps, device)
+        for point in group:
+            if on_point is not None:
+                on_point(point)
+    return [p for s in series for p in done[s.name]]
+
+
 def sweep(series: str, Ts: Iterable[int], make_step: Callable[[int], Callable[[], object]], caps: Caps, *,
           device: str = "cpu", measure_memory: bool = True, on_point: Optional[Callable[[Point], None]] = None
           ) -> list[Point]:
-    """Time ``make_step(T)()`` for growing T; the first point past a cap is recorded as the curve's end.
-
-    ``make_step(T)`` returns the step, or (step, extra) with facts to record beside its time.
-    """
-    timing_malloc()
-    points: list[Point] = []
-    for T in Ts:
-        ok = [p for p in points if p.status == "ok"]
-        point = Point(series, T)
-        if ok and ok[-1].time_s * _growth(ok, "time_s") > caps.time_s:
-            point.status = "time cap"
-        elif ok and caps.memory_bytes and ok[-1].peak_bytes and ok[-1].peak_bytes * _growth(ok, "peak_bytes") > caps.memory_bytes:
-            point.status = "memory cap"
-        else:
-            _measure(point, make_step, caps, device, measure_memory)
-        points.append(point)
-        if on_point is not None:
-            on_point(point)
-        if point.status != "ok":
-            break
-    return points
+    """One series alone: time ``make_step(T)()`` for growing T (see ``sweep_side_by_side``)."""
+    return sweep_side_by_side([Series(series, make_step, measure_memory)], Ts, caps, device=device, on_point=on_point)
 
 
-def _measure(point: Point, make_step, caps: Caps, device: str, measure_memory: bool) -> None:
+def _prepare(point: Point, make_step, caps: Caps, device: str):
+    """Build and warm up one step; returns (step, seconds of the warm-up) or (None, None) with the
+    point's status set when it failed or ran past the cap."""
     try:
         step = make_step(point.T)
         if isinstance(step, tuple):  # (step, facts measured while setting it up, e.g. a prefill)
@@ -196,19 +232,39 @@ def _measure(point: Point, make_step, caps: Caps, device: str, measure_memory: b
         first = time.perf_counter() - t0
         if first > caps.time_s:
             point.status, point.time_s, point.times_s = "time cap", first, [first]
-            return
-        point.times_s = time_step(step, device=device, repeats=caps.repeats, budget_s=caps.budget_s, first_s=first)
-        # interference from other tenants only ever adds time (this VM's matmul speed varies up to
-        # 1.7x within seconds), so the fastest repeat is the estimate, as timeit advises
-        point.time_s = min(point.times_s)
-        if measure_memory:
-            point.peak_bytes = peak_memory(step, device)
+            return None, None
+        return step, first
     except StepTimeout:
         point.status = "time cap"
     except Exception as e:  # a failed point ends its curve; the benchmark goes on
-        if is_oom(e):
-            point.status = "oom"
-        else:
-            point.status = f"error: {type(e).__name__}: {e}"[:200]
-    finally:
-        step = None
+        _failed(point, e)
+    return None, None
+
+
+def _failed(point: Point, e: BaseException) -> None:
+    point.status = "oom" if is_oom(e) else f"error: {type(e).__name__}: {e}"[:200]
+
+
+def _time_and_size(live: list, caps: Caps, device: str) -> None:
+    """Timed repeats of the warmed-up steps, taken in turn, then each one's peak memory."""
+    reps = {id(p): max(1, min(caps.repeats, int(caps.budget_s / max(first, 1e-9)))) for _, p, _, first in live}
+    for r in range(max(reps.values(), default=0)):
+        for _, point, step, _ in live:
+            if r >= reps[id(point)] or point.status != "ok":
+                continue
+            try:
+                point.times_s += time_step(step, device=device, repeats=1)
+            except Exception as e:
+                _failed(point, e)
+    for s, point, step, _ in live:
+        if point.status != "ok":
+            continue
+        # interference from other tenants only ever adds time (this VM's matmul speed varies up to
+        # 1.7x within seconds), so the fastest repeat is the estimate, as timeit advises
+        point.time_s = min(point.times_s)
+        if s.measure_memory:
+            try:
+                point.peak_bytes = peak_memory(step, device)
+            except Exception as e:
+                _failed(point, e)
+    live.clear()

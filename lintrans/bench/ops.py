@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .measure import Caps, Point, sweep
+from .measure import Caps, Point, Series, sweep_side_by_side
 
 
 class PerT:
@@ -95,8 +95,5 @@ def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chun
     series = op_series(chunk_size)
     if only:
         series = select_series(series, only)
-    points: list[Point] = []
-    for name, fn in series.items():
-        points += sweep(name, Ts, lambda T, fn=fn: make_op_step(fn, T, H=H, D=D, device=device), caps,
-                        device=device, on_point=on_point)
-    return points
+    specs = [Series(name, lambda T, fn=fn: make_op_step(fn, T, H=H, D=D, device=device)) for name, fn in series.items()]
+    return sweep_side_by_side(specs, Ts, caps, device=device, on_point=on_point)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .measure import Caps, Point, sweep
+from .measure import Caps, Point, Series, sweep_side_by_side
 from .sizes import SIZES, VOCAB
 
 LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "attention_loop", "state_loop")
@@ -61,30 +61,31 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
     points: list[Point] = []
     for size in sizes:
         head_dim = SIZES[size][2] // SIZES[size][1]
+        softmax = f"{size} softmax (SDPA)"
+        series = []
         for name, attention, form in train_series(forms, floor):
-            label = f"{size} {name}"
-
             def make(T, attention=attention, form=form):
                 chunk = chunk_for(T, head_dim, device=device) if (tuned_chunk and form == "chunked") else 64
                 step = make_train_step(gpt_config(size, T, attention, form, chunk), T, device)
                 return step, {"chunk_size": chunk} if form in ("chunked", "attention_blocked") else {}
 
-            series_Ts, memory = Ts, True
-            if attention == "none":
-                # the floor only bounds softmax's speed-up, so it is timed where softmax was (no
-                # peak memory: it is not a competitor); on this CPU that saves ~20% of `make demo`
-                series_Ts, memory = _floor_Ts(Ts, points, f"{size} softmax (SDPA)"), False
-            for p in sweep(label, series_Ts, make, caps, device=device, on_point=on_point, measure_memory=memory):
-                p.extra.setdefault("size", size)
-                points.append(p)
+            # the floor only bounds softmax's speed-up, so it is timed where softmax was, and without
+            # peak memory: it is not a competitor (that saves ~20% of `make demo`)
+            is_floor = attention == "none"
+            series.append(Series(f"{size} {name}", make, measure_memory=not is_floor,
+                                 within=softmax if is_floor else None))
+        together = _fits_together(size, len(series), max(Ts), caps)
+        for p in sweep_side_by_side(series, Ts, caps, device=device, together=together, on_point=on_point):
+            p.extra.setdefault("size", size)
+            points.append(p)
     return points
 
 
-def _floor_Ts(Ts: list[int], points: list[Point], softmax: str) -> list[int]:
-    """The contexts at which the floor is worth timing: up to the longest one softmax was measured
-    at; all of them when softmax was not run."""
-    ran = [p for p in points if p.series == softmax]
-    if not ran:
-        return list(Ts)
-    ok = [p.T for p in ran if p.status == "ok"]
-    return [T for T in Ts if ok and T <= max(ok)]
+def _fits_together(size: str, n_series: int, T: int, caps: Caps) -> bool:
+    """Whether every series' model, gradients and AdamW state (16 bytes a parameter) fit in a
+    quarter of the memory cap at once, leaving the rest for one step's activations."""
+    from .cost import ModelShape, parameters
+
+    n_layer, n_head, n_embd = SIZES[size]
+    params = parameters(ModelShape(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=VOCAB, block_size=T))["total"]
+    return caps.memory_bytes is None or 16 * params * n_series <= caps.memory_bytes / 4

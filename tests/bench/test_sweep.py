@@ -99,23 +99,61 @@ def test_train_series_ends_with_the_no_mixing_floor():
     assert train_series(("chunked",), floor=False)[-1][0] == "linear chunked"
 
 
-def test_floor_is_timed_only_where_softmax_was_and_without_memory(monkeypatch):
+def test_side_by_side_alternates_repeats_and_bounds_the_floor(fake_clock, monkeypatch):
+    from lintrans.bench.measure import Series, sweep_side_by_side
+
+    calls, sized = [], []
+    monkeypatch.setattr(measure, "peak_memory", lambda fn, device="cpu": sized.append(fn.__name__) or 2 ** 20)
+
+    def maker(name, cost):
+        def make(T):
+            def step():
+                calls.append((name, T))
+                fake_clock[0] += cost(T)
+            step.__name__ = name
+            return step
+        return make
+
+    series = [Series("soft", maker("soft", lambda T: 1e-6 * T * T)),  # 0.26 s at 512, 1.05 s at 1024
+              Series("lin", maker("lin", lambda T: 1e-4 * T)),
+              Series("floor", maker("floor", lambda T: 5e-5 * T), measure_memory=False, within="soft")]
+    pts = sweep_side_by_side(series, [256, 512, 1024, 2048], Caps(time_s=1.5, repeats=3, budget_s=10.0))
+    status = {(p.series, p.T): p.status for p in pts}
+    assert status[("soft", 1024)] == "ok" and status[("soft", 2048)] == "time cap"
+    assert ("floor", 2048) not in status and status[("floor", 1024)] == "ok"  # only where softmax was
+    assert status[("lin", 2048)] == "ok"
+    # at one T: every warm-up, then the timed repeats in turn, then peak memory (not the floor's)
+    at_256 = [c[0] for c in calls if c[1] == 256]
+    assert at_256 == ["soft", "lin", "floor"] + ["soft", "lin", "floor"] * 3
+    assert sized[:2] == ["soft", "lin"] and "floor" not in sized
+    assert [p.series for p in pts] == ["soft"] * 4 + ["lin"] * 4 + ["floor"] * 3  # grouped by series
+
+
+def test_one_at_a_time_when_the_steps_do_not_fit_together(fake_clock, monkeypatch):
+    from lintrans.bench.measure import Series, sweep_side_by_side
+
+    calls = []
+    monkeypatch.setattr(measure, "peak_memory", lambda fn, device="cpu": None)
+
+    def make(name):
+        return lambda T: (lambda: calls.append(name) or fake_clock.__setitem__(0, fake_clock[0] + 0.1))
+
+    sweep_side_by_side([Series("a", make("a")), Series("b", make("b"))], [256], Caps(repeats=2, budget_s=10.0),
+                       together=False)
+    assert calls == ["a", "a", "a", "b", "b", "b"]  # warm-up and 2 repeats of a, then of b
+
+
+def test_run_train_bounds_the_floor_by_softmax(monkeypatch):
     import lintrans.bench.train as train
-    from lintrans.bench.measure import Caps, Point
 
-    calls = {}
+    seen = {}
+    monkeypatch.setattr(train, "sweep_side_by_side", lambda series, Ts, caps, **kw: seen.update(series=series, **kw) or [])
+    from lintrans.bench.measure import Caps
 
-    def fake_sweep(series, Ts, make_step, caps, *, measure_memory=True, **kw):
-        calls[series] = (list(Ts), measure_memory)
-        if "softmax" in series:  # softmax stops at 1024: measured to 512
-            return [Point(series, 256), Point(series, 512), Point(series, 1024, status="time cap")]
-        return [Point(series, T) for T in Ts]
-
-    monkeypatch.setattr(train, "sweep", fake_sweep)
-    Ts = [256, 512, 1024, 2048]
-    train.run_train(Ts, Caps(), sizes=("4L-128",), forms=("chunked",))
-    assert calls["4L-128 softmax (SDPA)"] == (Ts, True)
-    assert calls["4L-128 linear chunked"] == (Ts, True)
-    assert calls[f"4L-128 {train.FLOOR}"] == ([256, 512], False)
-    assert train._floor_Ts(Ts, [], "absent") == Ts  # softmax not run: the floor everywhere
-    assert train._floor_Ts(Ts, [Point("s", 256, status="oom")], "s") == []
+    train.run_train([256, 512], Caps(memory_bytes=2 ** 40), sizes=("4L-128",), forms=("chunked",))
+    by_name = {s.name: s for s in seen["series"]}
+    floor = by_name[f"4L-128 {train.FLOOR}"]
+    assert floor.within == "4L-128 softmax (SDPA)" and floor.measure_memory is False
+    assert by_name["4L-128 linear chunked"].within is None and by_name["4L-128 linear chunked"].measure_memory
+    assert seen["together"] is True
+    assert train._fits_together("12L-768 (GPT-2 124M)", 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s
