@@ -44,7 +44,15 @@ def test_two_processes_match_one(tiny_config, tmp_path):
     assert len(train_1) == len(train_2) == 4 and len(val_1) == len(val_2) == 2
     assert train_2 == pytest.approx(train_1, rel=1e-5) and val_2 == pytest.approx(val_1, rel=1e-5)
     w1, w2 = (load_file(os.path.join(c.train.out_dir, "checkpoint", "model.safetensors")) for c in (single, ddp))
+    C = ddp.model["n_embd"]
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+        a, b = w2[k], w1[k]
+        if k.endswith("attn.c_attn.bias"):
+            # the key bias adds q.b_k to every score of a row, which softmax ignores: its gradient is
+            # zero but for rounding, and AdamW turns that noise into steps of ~1e-6 whose sign depends
+            # on the summation order. Checked loosely; the query and value biases exactly.
+            torch.testing.assert_close(a[C:2 * C], b[C:2 * C], rtol=0, atol=1e-4)
+            a, b = torch.cat([a[:C], a[2 * C:]]), torch.cat([b[:C], b[2 * C:]])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     state = json.loads(open(os.path.join(ddp.train.out_dir, "checkpoint", "trainer_state.json")).read())
     assert state["world_size"] == 2 and len(state["rng"]) == 2
