@@ -163,12 +163,15 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         print("headline:", line)
     result = {"rows": rows, "speedups": speedups, "headline": " | ".join(lines), "lines": lines, "title": title}
     if out is not None:
-        info = machine_info(device)
+        from .machine import matmul_probe
+
+        info = {**machine_info(device), **matmul_probe(device=device)}  # the speed it ran at, just after
         meta = {"benchmark": which, "title": title, "machine": info, "caps": prof.caps.__dict__,
                 "headline": result["headline"], "speedups": speedups,
                 "memory_method": "peak RSS rise during one step (VmHWM after clear_refs; malloc mmap threshold 128 KiB)"}
         paths = write_results(out, which, rows, meta)
-        sub = f"{info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}"
+        sub = (f"{info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}, "
+               f"matmul {info['matmul_gflops_median']:.0f} GFLOP/s at the end")
         # generation: what decoding keeps (KV cache vs state) says more than the prefill's peak
         second = ("cache_bytes", "cache (MiB)") if which == "generate" else ("peak_bytes", "peak memory (MiB)")
         ylabel = "seconds per token" if which == "generate" else "seconds per step"

@@ -51,6 +51,27 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def matmul_probe(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> dict:
+    """How fast the machine ran matmuls just now: this shared VM's speed drifts by up to 1.7x
+    within a minute and differs from day to day, so each record carries the speed it ran at.
+    GFLOP/s of an n-square float32 matmul, best and median over ``seconds``, and max/min time."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    synchronize(device)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    flop = 2 * n**3 / 1e9
+    return {"matmul_gflops_best": round(flop / times[0], 1), "matmul_gflops_median": round(flop / times[len(times) // 2], 1),
+            "matmul_slowest_over_fastest": round(times[-1] / times[0], 2)}
+
+
 def matmul_peak_flops(n: int = 2048, dtype: torch.dtype = torch.float32, device: str = "cpu",
                       seconds: float = 1.0) -> float:
     """Measured FLOP/s of one big square matmul (the practical peak that MFU is relative to)."""

@@ -34,6 +34,15 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
     data = json.loads((out / "ops.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked"}
     assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0
+    m = data["machine"]  # the matmul speed the run ended at, for comparing records across days
+    assert m["matmul_gflops_best"] >= m["matmul_gflops_median"] > 0 and m["matmul_slowest_over_fastest"] >= 1
+
+
+def test_matmul_probe_is_short_and_consistent():
+    from lintrans.bench.machine import matmul_probe
+
+    p = matmul_probe(seconds=0.05, n=64)
+    assert p["matmul_gflops_best"] >= p["matmul_gflops_median"] > 0 and p["matmul_slowest_over_fastest"] >= 1
 
 
 def test_bench_loss_writes_both_series(tmp_path):
