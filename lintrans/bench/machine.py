@@ -51,22 +51,27 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_probe(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> dict:
-    """How fast the machine ran matmuls just now: this shared VM's speed drifts by up to 1.7x
-    within a minute and differs from day to day, so each record carries the speed it ran at.
-    GFLOP/s of an n-square float32 matmul, best and median over ``seconds``, and max/min time."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    a @ b  # warm-up
+def _matmul_times(n: int, dtype: torch.dtype, device: str, seconds: float, min_reps: int) -> list[float]:
+    """Seconds of an n-square matmul, repeated for ``seconds`` (at least ``min_reps`` times), sorted."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm-up: thread pool, caches
     synchronize(device)
     times = []
     deadline = time.perf_counter() + seconds
-    while len(times) < 3 or time.perf_counter() < deadline:
+    while len(times) < min_reps or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         a @ b
         synchronize(device)
         times.append(time.perf_counter() - t0)
-    times.sort()
+    return sorted(times)
+
+
+def matmul_probe(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> dict:
+    """How fast the machine ran matmuls just now: this shared VM's speed drifts by up to 1.7x
+    within a minute and differs from day to day, so each record carries the speed it ran at.
+    GFLOP/s of an n-square float32 matmul, best and median over ``seconds``, and max/min time."""
+    times = _matmul_times(n, torch.float32, device, seconds, min_reps=3)
     flop = 2 * n**3 / 1e9
     return {"matmul_gflops_best": round(flop / times[0], 1), "matmul_gflops_median": round(flop / times[len(times) // 2], 1),
             "matmul_slowest_over_fastest": round(times[-1] / times[0], 2)}
@@ -75,17 +80,4 @@ def matmul_probe(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> di
 def matmul_peak_flops(n: int = 2048, dtype: torch.dtype = torch.float32, device: str = "cpu",
                       seconds: float = 1.0) -> float:
     """Measured FLOP/s of one big square matmul (the practical peak that MFU is relative to)."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    a @ b  # warm-up: thread pool, caches
-    synchronize(device)
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    reps = 0
-    while reps < 2 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return 2 * n**3 / best
+    return 2 * n**3 / _matmul_times(n, dtype, device, seconds, min_reps=2)[0]

@@ -80,19 +80,13 @@ def peak_memory(fn: Callable[[], object], device: str = "cpu") -> Optional[int]:
         timing_malloc()
 
 
-def time_step(fn: Callable[[], object], *, device: str = "cpu", repeats: int = 5, budget_s: float = 5.0,
-              first_s: Optional[float] = None) -> list[float]:
-    """Seconds per call of ``fn`` (already warmed up), as many repeats as fit in ``budget_s`` (>= 1)."""
-    if first_s is not None:
-        repeats = max(1, min(repeats, int(budget_s / max(first_s, 1e-9))))
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
+def time_step(fn: Callable[[], object], *, device: str = "cpu") -> float:
+    """Seconds of one call of ``fn`` (already warmed up), the device's queue drained on both sides."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 class StepTimeout(Exception):
@@ -253,7 +247,7 @@ def _time_and_size(live: list, caps: Caps, device: str) -> None:
             if r >= reps[id(point)] or point.status != "ok":
                 continue
             try:
-                point.times_s += time_step(step, device=device, repeats=1)
+                point.times_s.append(time_step(step, device=device))
             except Exception as e:
                 _failed(point, e)
     for s, point, step, _ in live:

@@ -86,6 +86,5 @@ def _fits_together(size: str, n_series: int, T: int, caps: Caps) -> bool:
     quarter of the memory cap at once, leaving the rest for one step's activations."""
     from .cost import ModelShape, parameters
 
-    n_layer, n_head, n_embd = SIZES[size]
-    params = parameters(ModelShape(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=VOCAB, block_size=T))["total"]
+    params = parameters(ModelShape.from_config(gpt_config(size, T, "softmax", None)))["total"]
     return caps.memory_bytes is None or 16 * params * n_series <= caps.memory_bytes / 4
