@@ -191,7 +191,10 @@ def linear_attention(
         check_positive_int("chunk_size", chunk_size)
     _check_scalars(normalize, scale, eps)
     out_dtype = q.dtype
-    fq, fk = _featurize(q, k, feature_map, scale)  # [B,T,H,F]
+    if isinstance(feature_map, str):  # named maps act on each vector alone: apply them head-first
+        fq, fk = _featurize(q.transpose(1, 2), k.transpose(1, 2), feature_map, scale)  # [B,H,T,F]
+    else:  # modules may hold per-head parameters and expect [B,T,H,D]
+        fq, fk = (x.transpose(1, 2) for x in _featurize(q, k, feature_map, scale))  # [B,H,T,F]
     dtype = fq.dtype
     Fd = fq.shape[-1]
     if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
@@ -207,9 +210,9 @@ def linear_attention(
     # built directly in the [B,H,T,Dv+1] layout the forms use: one copy of v instead of two
     ones = torch.ones(B, H, T, 1, dtype=dtype, device=v.device)
     v1 = torch.cat([v.transpose(1, 2).to(dtype), ones], dim=-1)  # [B,H,T,Dv+1]
-    # one copy into [B,H,T,F] up front: the forms' batched matmuls would otherwise copy these
-    # strided views for every product, forward and backward (at 16k: ~20% of the op's peak memory)
-    fq, fk = fq.transpose(1, 2).contiguous(), fk.transpose(1, 2).contiguous()  # [B,H,T,F]
+    # one copy into [B,H,T,F] up front (none for elu, which writes that layout): the forms' batched
+    # matmuls would otherwise copy these strided views for every product, forward and backward
+    fq, fk = fq.contiguous(), fk.contiguous()  # [B,H,T,F]
     y, S_end = FORMS[form](fq, fk, v1, S0, chunk_size)  # y: [B,H,T,Dv+1]
     y = y.transpose(1, 2)  # [B,T,H,Dv+1]
     o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]

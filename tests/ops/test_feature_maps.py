@@ -9,6 +9,7 @@ from lintrans.ops.feature_maps import (
     FEATURE_MAPS,
     based,
     based_feature_dim,
+    elu_plus_one,
     feature_dim_for,
     resolve_feature_map,
     squared_feature_dim,
@@ -39,6 +40,32 @@ def direct_attention(sim, q, k, v, eps):
 
 def test_every_name_has_a_definition():
     assert set(SIMILARITY) == set(FEATURE_MAPS)
+
+
+def test_elu_plus_one_values_and_gradients_match_the_definition():
+    # the fused map writes exp(min(x, 0)) + max(x, 0): exact where F.elu(x) + 1 cancels (x << 0)
+    x = torch.cat([torch.randn(200, dtype=torch.float64) * 4,
+                   torch.tensor([0.0, -0.0, -800.0, 1e-300, -1e-300, 50.0], dtype=torch.float64)])
+    x.requires_grad_()
+    y = elu_plus_one(x)
+    torch.testing.assert_close(y, torch.where(x > 0, x + 1, x.exp()), rtol=1e-15, atol=0)
+    g = torch.randn_like(x)
+    (y * g).sum().backward()
+    torch.testing.assert_close(x.grad, g * torch.where(x > 0, 1.0, x.exp()), rtol=1e-15, atol=0)
+    xs = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(elu_plus_one, (xs,))
+    assert torch.autograd.gradgradcheck(elu_plus_one, (xs,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_elu_plus_one_writes_a_contiguous_copy_of_any_layout(dtype):
+    # linear_attention hands it [B,H,T,D] views of [B,T,H,D] and relies on getting [B,H,T,F] memory
+    x = torch.randn(2, 9, 3, 5).to(dtype)
+    view = x.transpose(1, 2)
+    y = elu_plus_one(view)
+    assert y.is_contiguous() and y.dtype == dtype and y.shape == view.shape
+    x64 = view.double()
+    torch.testing.assert_close(y, torch.where(x64 > 0, x64 + 1, x64.exp()).to(dtype))
 
 
 @pytest.mark.parametrize("d", [1, 2, 5, 8, 16])
