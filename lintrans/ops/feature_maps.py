@@ -21,6 +21,11 @@ def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _elu_plus_one_values(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return torch.clamp(x, max=0, out=y).exp_().add_(torch.relu(x))
+
+
 class _EluPlusOne(torch.autograd.Function):
     """elu(x) + 1 = exp(min(x, 0)) + max(x, 0), whose derivative is min(y, 1) of the output y.
 
@@ -32,8 +37,7 @@ class _EluPlusOne(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        torch.clamp(x, max=0, out=y).exp_().add_(torch.relu(x))
+        y = _elu_plus_one_values(x)
         ctx.save_for_backward(y)
         return y
 
@@ -46,7 +50,9 @@ class _EluPlusOne(torch.autograd.Function):
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     """elu(x) + 1 (Katharopoulos et al. 2020): positive, smooth. Output contiguous."""
-    return _EluPlusOne.apply(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _EluPlusOne.apply(x)
+    return _elu_plus_one_values(x)  # decoding: the same values without the autograd call's ~15 us
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
