@@ -125,6 +125,9 @@ class Caps:
     memory_bytes: Optional[int] = None
     repeats: int = 5
     budget_s: float = 5.0
+    # timed repeats at least (never more than `repeats`) where two or more series are timed side by
+    # side: one round of A B C leaves each series one sample, and one slow moment decides the ratio
+    min_repeats: int = 1
 
 
 @dataclass
@@ -241,7 +244,9 @@ def _failed(point: Point, e: BaseException) -> None:
 
 def _time_and_size(live: list, caps: Caps, device: str) -> None:
     """Timed repeats of the warmed-up steps, taken in turn, then each one's peak memory."""
-    reps = {id(p): max(1, min(caps.repeats, int(caps.budget_s / max(first, 1e-9)))) for _, p, _, first in live}
+    least = caps.min_repeats if len(live) > 1 else 1
+    reps = {id(p): max(1, min(caps.repeats, max(least, int(caps.budget_s / max(first, 1e-9)))))
+            for _, p, _, first in live}
     for r in range(max(reps.values(), default=0)):
         for _, point, step, _ in live:
             if r >= reps[id(point)] or point.status != "ok":

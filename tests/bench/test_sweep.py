@@ -129,6 +129,28 @@ def test_side_by_side_alternates_repeats_and_bounds_the_floor(fake_clock, monkey
     assert [p.series for p in pts] == ["soft"] * 4 + ["lin"] * 4 + ["floor"] * 3  # grouped by series
 
 
+def test_min_repeats_gives_every_side_by_side_series_two_rounds(fake_clock, monkeypatch):
+    from lintrans.bench.measure import Series, sweep_side_by_side
+
+    calls = []
+    monkeypatch.setattr(measure, "peak_memory", lambda fn, device="cpu": None)
+
+    def make(name, cost):
+        return lambda T: (lambda: calls.append((name, T)) or fake_clock.__setitem__(0, fake_clock[0] + cost))
+
+    # the budget buys one repeat of a 2 s step; min_repeats asks for two wherever two series share a T
+    caps = Caps(time_s=100.0, repeats=5, budget_s=3.0, min_repeats=2)
+    sweep_side_by_side([Series("a", make("a", 2.0)), Series("b", make("b", 2.0), within="a")], [256], caps)
+    assert [c[0] for c in calls] == ["a", "b"] + ["a", "b"] * 2  # warm-ups, then two alternating rounds
+    calls.clear()
+    sweep_side_by_side([Series("a", make("a", 2.0))], [256], caps)
+    assert calls == [("a", 256)] * 2  # a series timed alone keeps the budget's one repeat
+    calls.clear()
+    sweep_side_by_side([Series("a", make("a", 2.0)), Series("b", make("b", 2.0))], [256],
+                       Caps(time_s=100.0, repeats=1, budget_s=3.0, min_repeats=2))
+    assert [c[0] for c in calls] == ["a", "b", "a", "b"]  # `repeats` stays the upper bound
+
+
 def test_one_at_a_time_when_the_steps_do_not_fit_together(fake_clock, monkeypatch):
     from lintrans.bench.measure import Series, sweep_side_by_side
 
