@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import os
-import time
 from pathlib import Path
 import torch
 
@@ -70,8 +69,11 @@ def _save(key: str, entry: dict) -> None:
 
 
 def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3) -> float:
-    """Median seconds of the chunked form's forward + backward at this chunk size."""
+    """Seconds of the chunked form's forward + backward at this chunk size: the fastest repeat,
+    since interference only adds time (see measure.py)."""
     from lintrans.ops.linear import FORMS
+
+    from .measure import time_step
 
     def step():
         for x in (fq, fk, v):
@@ -80,14 +82,7 @@ def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3) -> float:
         y.sum().backward()
 
     step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        if fq.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # the fastest repeat: interference only adds time (see measure.py)
+    return min(time_step(step, device=fq.device.type) for _ in range(repeats))
 
 
 def tune_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32, device="cpu",
