@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cost": ("lintrans.bench.cost_cli", "parameters, FLOPs, state vs KV-cache bytes, arithmetic intensity, MFU"),
     "train": ("lintrans.train.cli", "train a GPT (softmax or linear attention) from text or token files"),
     "sample": ("lintrans.models.sample_cli", "generate text from a checkpoint or a Hugging Face GPT-2 folder"),
-    "experiment": ("lintrans.experiments.cli", "in-context regression, associative recall, learning curves"),
+    "experiment": ("lintrans.experiments.cli", "learning studies: context, recall, regression, distill (JSON + PNG)"),
 }
 
 

@@ -1,5 +1,5 @@
-"""Models for the experiments: the GPT itself for token tasks, and the GPT's blocks between a linear
-read-in and read-out of vectors for regression. Attention kinds are given as short specs."""
+"""Models for the experiments: attention specs, the GPT config a study builds from one, the GPT's
+blocks between a linear read-in and read-out of vectors (regression), and per-layer state sizes."""
 from __future__ import annotations
 
 import torch
@@ -45,9 +45,46 @@ def parse_attention(spec: str) -> tuple[str, dict]:
     return name, options
 
 
+def gpt_config(spec: str, *, linear_form: str = "chunked", **fields) -> GPTConfig:
+    """The GPTConfig of an attention spec; linear attention gets ``linear_form`` unless the spec sets
+    a form. Building the model once checks the options (a bad spec fails before any training)."""
+    name, options = parse_attention(spec)
+    if name == "linear":
+        options.setdefault("form", linear_form)
+    config = GPTConfig(dropout=0.0, attention=name, attention_options=options, **fields)
+    return config
+
+
+def check_specs(specs, **fields) -> None:
+    """Every spec parses and builds a GPT layer with ``fields`` (ValueError/TypeError otherwise)."""
+    if not isinstance(specs, (list, tuple)) or not specs or not all(isinstance(s, str) for s in specs):
+        raise TypeError(f"mechanisms must be a non-empty list of attention specs, got {specs!r}")
+    if len(set(specs)) != len(specs):
+        raise ValueError(f"mechanisms must be distinct, got {list(specs)}")
+    from lintrans.nn.registry import get_attention
+
+    for spec in specs:
+        config = gpt_config(spec, **fields)
+        try:
+            get_attention(config.attention)(config)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"attention spec {spec!r}: {e}") from None
+
+
+def state_floats(model: GPT, seq_len: int) -> float:
+    """Floats one layer keeps to continue a sequence of ``seq_len`` tokens (batch 1): the KV cache of
+    softmax, the recurrent state of linear and gated attention, the ring buffer of a sliding window;
+    measured from the model's own generation cache, averaged over layers."""
+    model.eval()
+    idx = torch.zeros(1, seq_len, dtype=torch.int64)
+    with torch.no_grad():
+        _, cache = model.forward_cached(idx)
+    return cache.nbytes() / 4 / model.config.n_layer  # float32
+
+
 class VectorGPT(nn.Module):
-    """x [B, T, in_dim] -> [B, T, out_dim]: linear read-in, the GPT's positions, blocks and final
-    LayerNorm (taken from a ``GPT`` so initialisation is the GPT's), linear read-out."""
+    """x [B, T, in_dim] -> [B, T, out_dim]: linear read-in, the GPT's positions (if any), blocks and
+    final LayerNorm (taken from a ``GPT`` so initialisation is the GPT's), linear read-out."""
 
     def __init__(self, config: GPTConfig, in_dim: int, out_dim: int = 1):
         super().__init__()

@@ -1,0 +1,471 @@
+"""What every study shares: runs keyed by their settings, a resumable store, parallel execution,
+the per-mechanism learning-rate sweep, aggregation over seeds, the record and its plots.
+
+A *run* is a dict of settings (JSON values only) that fully determines one training job. Its key is
+a hash of that dict, and its result is stored as ``<out>/runs/<key>.json`` (written atomically), so
+a study that is stopped and started again finds every finished run and redoes only the rest. A run
+function ``fn(spec, env) -> dict`` is a module-level function (workers import it by name under the
+spawn start method); ``env.advance(n)`` moves the progress bar, ``env.path(spec, suffix)`` names a
+file beside a run's JSON (e.g. weights another run loads).
+
+Each study does the same two phases:
+
+1. learning-rate sweep: every mechanism at every candidate rate, seed 0, at the study's sweep
+   setting; the rate with the lowest held-out score wins (``lr_sweep``);
+2. the seeds at each mechanism's chosen rate, at every setting the figures need; a seed-0 run with
+   the sweep's settings is the sweep's own run (same key), so it is not trained twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import queue
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from lintrans._io import atomic_write_text
+
+RUNS_DIR = "runs"
+
+
+# --- runs and their store ----------------------------------------------------------------------
+
+
+def run_key(spec: dict) -> str:
+    """Stable key of a run: sha256 of its settings as canonical JSON (key order does not matter)."""
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def finite(obj):
+    """The same JSON value with NaN and infinities as None (strict JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+class RunStore:
+    """One JSON file per finished run under ``folder/runs``; other files of a run sit beside it."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder) / RUNS_DIR
+
+    def path(self, spec: dict, suffix: str = ".json") -> Path:
+        return self.folder / f"{run_key(spec)}{suffix}"
+
+    def get(self, spec: dict) -> Optional[dict]:
+        p = self.path(spec)
+        if not p.is_file():
+            return None
+        return json.loads(p.read_text())["result"]
+
+    def put(self, spec: dict, result: dict) -> None:
+        text = json.dumps({"key": run_key(spec), "spec": spec, "result": finite(result)}, allow_nan=False)
+        atomic_write_text(self.path(spec), text)
+
+
+class RunEnv:
+    """What a run function gets besides its spec: progress reporting and file names in the store."""
+
+    def __init__(self, store: RunStore, report: Callable[[int], None]):
+        self.store, self._report, self.reported = store, report, 0
+
+    def advance(self, n: int = 1) -> None:
+        self.reported += n
+        self._report(n)
+
+    def path(self, spec: dict, suffix: str) -> Path:
+        return self.store.path(spec, suffix)
+
+
+def _resolve(fn_name: str) -> Callable:
+    import importlib
+
+    module, _, name = fn_name.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _execute(fn_name: str, spec: dict, folder: str, units: int, report: Callable[[int], None]) -> dict:
+    store = RunStore(folder)
+    env = RunEnv(store, report)
+    result = _resolve(fn_name)(spec, env)
+    store.put(spec, result)
+    if env.reported < units:  # top up so the bar ends exact whatever the run reported
+        report(units - env.reported)
+    return result
+
+
+# worker-process globals: the progress queue and a throttle, set once per worker by _init_worker
+_QUEUE = None
+_PENDING = [0, 0.0]
+
+
+def _init_worker(progress_queue, threads: int) -> None:
+    global _QUEUE
+    _QUEUE = progress_queue
+    torch.set_num_threads(threads)
+
+
+def _queue_report(n: int) -> None:
+    _PENDING[0] += n
+    now = time.monotonic()
+    if now - _PENDING[1] > 0.5:  # a message every half second, not every step
+        _QUEUE.put(_PENDING[0])
+        _PENDING[0], _PENDING[1] = 0, now
+
+
+def _worker(fn_name: str, spec: dict, folder: str, units: int) -> dict:
+    try:
+        return _execute(fn_name, spec, folder, units, _queue_report)
+    finally:
+        if _PENDING[0]:
+            _QUEUE.put(_PENDING[0])
+            _PENDING[0] = 0
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Runner:
+    """Runs the specs of one study that are not yet in its store, in-process (jobs=1) or in ``jobs``
+    spawned worker processes with ``max(1, cores // jobs)`` torch threads each, behind one tqdm bar
+    counting ``units(spec)`` (training steps) per run."""
+
+    def __init__(self, fn_name: str, out, *, jobs: int = 1, progress: bool = True,
+                 units: Callable[[dict], int] = lambda spec: 1, desc: str = ""):
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+        self.fn_name, self.store, self.jobs = fn_name, RunStore(out), jobs
+        self.progress, self.units, self.desc = progress, units, desc
+        self.trained = 0  # runs trained (not found in the store) by this runner
+
+    def run(self, specs: list[dict]) -> list[dict]:
+        """Results in the order of ``specs``; finished runs come from the store."""
+        todo = {}
+        for spec in specs:
+            if self.store.get(spec) is None:
+                todo.setdefault(run_key(spec), spec)
+        if todo:
+            self._run(list(todo.values()))
+        return [self.store.get(spec) for spec in specs]
+
+    def _run(self, specs: list[dict]) -> None:
+        from tqdm import tqdm
+
+        total = sum(self.units(s) for s in specs)
+        desc = f"{self.desc} ({len(specs)} run{'s' * (len(specs) > 1)})"
+        with tqdm(total=total, desc=desc, file=sys.stderr, disable=not self.progress, dynamic_ncols=True,
+                  unit="step") as bar:
+            if self.jobs == 1:
+                for spec in specs:
+                    _execute(self.fn_name, spec, str(self.store.folder.parent), self.units(spec), bar.update)
+                    self.trained += 1
+            else:
+                self._run_parallel(specs, bar)
+
+    def _run_parallel(self, specs: list[dict], bar) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        progress_queue = ctx.Queue()
+        threads = max(1, cpu_cores() // self.jobs)
+        folder = str(self.store.folder.parent)
+        with ProcessPoolExecutor(self.jobs, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(progress_queue, threads)) as pool:
+            try:
+                futures = {pool.submit(_worker, self.fn_name, s, folder, self.units(s)) for s in specs}
+                while futures:
+                    done, futures = wait(futures, timeout=0.25, return_when=FIRST_COMPLETED)
+                    self._drain(progress_queue, bar)
+                    for f in done:
+                        f.result()  # a failed run stops the study with its error
+                        self.trained += 1
+                self._drain(progress_queue, bar)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+
+    @staticmethod
+    def _drain(progress_queue, bar) -> None:
+        while True:
+            try:
+                bar.update(progress_queue.get_nowait())
+            except queue.Empty:
+                return
+
+
+# --- the learning-rate sweep and aggregation ----------------------------------------------------
+
+
+def lr_sweep(runner: Runner, specs: dict, score: Callable[[dict], Optional[float]]) -> dict:
+    """Run ``specs`` ({mechanism: [spec per learning rate]}) and pick, per mechanism, the rate whose
+    run has the lowest ``score(result)`` (held-out; None or NaN = diverged, never chosen).
+
+    Returns {"chosen": {mechanism: lr}, "table": {mechanism: [{"lr", "score"}, ...]}}.
+    """
+    flat = [s for group in specs.values() for s in group]
+    results = iter(runner.run(flat))
+    chosen, table = {}, {}
+    for mech, group in specs.items():
+        rows = []
+        for spec in group:
+            value = score(next(results))
+            rows.append({"lr": spec["lr"], "score": value if value is not None and math.isfinite(value) else None})
+        table[mech] = rows
+        ok = [r for r in rows if r["score"] is not None]
+        if not ok:
+            raise RuntimeError(f"every learning rate of the sweep diverged for {mech!r}: {[r['lr'] for r in rows]}")
+        chosen[mech] = min(ok, key=lambda r: r["score"])["lr"]
+    return {"chosen": chosen, "table": table}
+
+
+def spread(values) -> dict:
+    """Mean, min and max over seeds (None values, i.e. diverged runs, are counted but left out)."""
+    ok = [v for v in values if v is not None and math.isfinite(v)]
+    if not ok:
+        return {"mean": None, "min": None, "max": None, "n": 0, "n_failed": len(values)}
+    return {"mean": sum(ok) / len(ok), "min": min(ok), "max": max(ok), "n": len(ok), "n_failed": len(values) - len(ok)}
+
+
+def spread_curves(curves: list[list]) -> dict:
+    """Pointwise spread of equally long curves: {"mean": [...], "min": [...], "max": [...]}."""
+    n = min(len(c) for c in curves)
+    cols = [spread([c[i] for c in curves]) for i in range(n)]
+    return {k: [c[k] for c in cols] for k in ("mean", "min", "max")}
+
+
+def write_record(out, name: str, record: dict) -> Path:
+    from lintrans.bench.machine import machine_info
+
+    record = {"study": name, **record, "machine": machine_info("cpu")}
+    path = Path(out) / f"{name}.json"
+    atomic_write_text(path, json.dumps(finite(record), indent=1, allow_nan=False))
+    return path
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, steps: int, warmup: float = 0.05, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup`` of the steps, then cosine down to ``floor`` of the peak."""
+    warm = max(1, int(steps * warmup))
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(model: torch.nn.Module, *, lr: float, steps: int, loss_at: Callable[[int], torch.Tensor],
+          evaluate: Optional[Callable[[], dict]] = None, eval_every: int = 0, env: Optional[RunEnv] = None,
+          params=None, weight_decay: float = 0.0) -> dict:
+    """AdamW with warm-up and cosine decay, gradient clipping at 1.
+
+    ``loss_at(step)`` builds that step's batch and returns its loss. ``evaluate()`` (in eval mode,
+    without gradients) runs before the first step, every ``eval_every`` steps and after the last.
+    Seconds count training only (evaluations excluded). A non-finite loss stops the run
+    (``diverged``). Returns the loss and cumulative seconds of every step and the evaluations.
+    """
+    params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
+    losses, seconds, evals = [], [], []
+    elapsed, diverged = 0.0, False
+
+    def run_eval(step: int) -> None:
+        if evaluate is None:
+            return
+        model.eval()
+        with torch.no_grad():
+            evals.append({"step": step, "seconds": elapsed, **evaluate()})
+        model.train()
+
+    model.train()
+    run_eval(0)
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss = loss_at(step)
+        if not torch.isfinite(loss):
+            diverged = True
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        elapsed += time.perf_counter() - t0
+        losses.append(loss.item())
+        seconds.append(elapsed)
+        if env is not None:
+            env.advance()
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            run_eval(step + 1)
+    if not diverged:
+        run_eval(steps)
+    return {"train_loss": losses, "seconds": seconds, "evals": evals, "diverged": diverged,
+            "train_seconds": elapsed, "threads": torch.get_num_threads()}
+
+
+def loss_spikes(losses: list, window: int = 20, threshold: float = 0.5) -> list[dict]:
+    """Steps whose training loss exceeds the mean of the ``window`` steps before by more than
+    ``threshold`` (nats): [{"step", "size"}]."""
+    spikes = []
+    for i in range(window, len(losses)):
+        rise = losses[i] - sum(losses[i - window:i]) / window
+        if rise > threshold:
+            spikes.append({"step": i, "size": rise})
+    return spikes
+
+
+def param_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- plots ------------------------------------------------------------------------------------
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def band(ax, x, curves: list[list], label: str = None, color=None, marker=None, **kw):
+    """Mean line with a min-max band over seeds; returns the line's colour."""
+    s = spread_curves(curves)
+    n = len(s["mean"])
+    xs = list(x)[:n]
+    pts = [(a, m, lo, hi) for a, m, lo, hi in zip(xs, s["mean"], s["min"], s["max"]) if m is not None]
+    if not pts:
+        return color
+    a, m, lo, hi = zip(*pts)
+    label = f"{label} (n={len(curves)})" if label is not None and len(curves) > 1 else label
+    (line,) = ax.plot(a, m, label=label, color=color, marker=marker, ms=3, **kw)
+    if len(curves) > 1:
+        ax.fill_between(a, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+    return line.get_color()
+
+
+def plot_sweep(sweep: dict, path, title: str, score_label: str) -> Path:
+    """Held-out score against learning rate per mechanism, the chosen rate circled."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mech, rows in sweep["table"].items():
+        ok = [r for r in rows if r["score"] is not None]
+        (line,) = ax.plot([r["lr"] for r in ok], [r["score"] for r in ok], marker="o", ms=4, label=mech)
+        best = [r for r in ok if r["lr"] == sweep["chosen"][mech]]
+        ax.plot([best[0]["lr"]], [best[0]["score"]], "o", ms=11, mfc="none", color=line.get_color())
+        for r in rows:
+            if r["score"] is None:  # diverged: marked at the top edge
+                ax.annotate("x", (r["lr"], 1), xycoords=("data", "axes fraction"), color=line.get_color(),
+                            ha="center", va="top")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate (seed 0)")
+    ax.set_ylabel(score_label)
+    ax.set_title(f"learning-rate sweep, {title}\ncircled = chosen (lowest), x = diverged", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save(fig, path)
+
+
+def save(fig, path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return Path(path)
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+def check_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_ints(name: str, values, minimum: int = 1) -> None:
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{name} must be a non-empty list of ints, got {values!r}")
+    for v in values:
+        check_int(f"every entry of {name}", v, minimum)
+    if len(set(values)) != len(values) or values != sorted(values):
+        raise ValueError(f"{name} must be distinct and increasing, got {values}")
+
+
+def check_lrs(lrs) -> None:
+    if not isinstance(lrs, list) or not lrs or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1 for x in lrs):
+        raise ValueError(f"lrs must be a non-empty list of learning rates in (0, 1), got {lrs!r}")
+    if len(set(lrs)) != len(lrs):
+        raise ValueError(f"lrs must be distinct, got {lrs}")
+
+
+def parse_value(text: str):
+    """A --set value: JSON if it parses (numbers, lists, true/false), else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def resolve_settings(default: dict, changes: dict) -> dict:
+    """``default`` with ``changes`` applied; unknown names and values of the wrong type are errors."""
+    settings = json.loads(json.dumps(default))  # a deep copy
+    for name, value in changes.items():
+        if name not in default:
+            raise ValueError(f"unknown setting {name!r}; settings are {sorted(default)}")
+        want = default[name]
+        if isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not type(want):
+            raise TypeError(f"setting {name!r} must be a {type(want).__name__} like {want!r}, got {value!r}")
+        settings[name] = value
+    return settings
+
+
+def style(ax, xlabel: str, ylabel: str, title: str = None) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def panels(titles: list, *, sharey: bool = False, size=(3.3, 2.7)):
+    """A grid of small panels, one per title (at most 4 a row): (fig, [axes])."""
+    plt = pyplot()
+    cols = min(4, len(titles))
+    rows = -(-len(titles) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(size[0] * cols, size[1] * rows), sharex=True, sharey=sharey,
+                             squeeze=False)
+    for ax in axes.flat[len(titles):]:
+        ax.axis("off")
+    used = list(axes.flat[:len(titles)])
+    for ax, t in zip(used, titles):
+        ax.set_title(t, fontsize=9)
+    return fig, used
+
+
+def finish_panels(fig, axes, xlabel: str, ylabel: str, title: str) -> None:
+    for ax in axes:
+        style(ax, xlabel, ylabel)
+    fig.suptitle(title, fontsize=9)
