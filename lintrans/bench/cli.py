@@ -36,6 +36,7 @@ class Profile:
     forms: tuple[str, ...]
     caps: Caps
     ops_only: Optional[list[str]] = None
+    mechanisms: tuple[str, ...] = ()  # other attention names for train, e.g. gated-linear
     notes: dict = field(default_factory=dict)
 
 
@@ -68,6 +69,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", nargs="+", default=None, help="op series to include (substrings, e.g. chunked softmax)")
     p.add_argument("--sizes", nargs="+", default=None, help="model sizes for train/generate (default: the profile's)")
     p.add_argument("--forms", nargs="+", default=None, help="linear forms for train (default: the profile's)")
+    p.add_argument("--mechanisms", nargs="+", default=None, metavar="ATTENTION",
+                   help="other attention mechanisms to train beside softmax and linear, e.g. gated-linear retention")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (the fastest is kept)")
     p.add_argument("--device", default="cpu")
 
@@ -108,7 +111,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
     t0 = time.perf_counter()
     if which == "ops":
-        from .ops import op_series, run_ops
+        from .ops import GATED_OP, op_series, run_ops
         from .tune import auto_chunk_size
 
         chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device)  # noqa: E731 (elu: F = D)
@@ -116,15 +119,17 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         bar = Progress(n, "ops")
         points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, device=device, on_point=bar)
         title = "causal attention op, forward + backward (B=1, H=8, D=64, float32)"
-        comparisons = [("linear chunked", "softmax (SDPA)")]
+        comparisons = [("linear chunked", "softmax (SDPA)"), (GATED_OP, "linear chunked"), (GATED_OP, "softmax (SDPA)")]
     elif which == "train":
         from .train import run_train
 
-        n = len(prof.sizes) * (len(prof.forms) + 2) * len(prof.train_T)
+        n = len(prof.sizes) * (len(prof.forms) + len(prof.mechanisms) + 2) * len(prof.train_T)
         bar = Progress(n, "train")
-        points = run_train(prof.train_T, prof.caps, sizes=prof.sizes, forms=prof.forms, device=device, on_point=bar)
+        points = run_train(prof.train_T, prof.caps, sizes=prof.sizes, forms=prof.forms, mechanisms=prof.mechanisms,
+                           device=device, on_point=bar)
         title = "GPT training step (forward + backward + AdamW), batch 1, vocab 50257"
         comparisons = [(f"{s} linear chunked", f"{s} softmax (SDPA)") for s in prof.sizes]
+        comparisons += [(f"{s} {m}", f"{s} softmax (SDPA)") for s in prof.sizes for m in prof.mechanisms]
     elif which == "loss":
         from .loss import run_loss
 
@@ -141,7 +146,8 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         comparisons = [("linear state", "softmax KV cache")]
     bar.close()
     rows = [p.row() for p in points]
-    speedups = [speedup(rows, fast, slow) for fast, slow in comparisons]
+    measured = {r["series"] for r in rows}  # comparisons of series left out (--ops) are dropped
+    speedups = [speedup(rows, fast, slow) for fast, slow in comparisons if {fast, slow} <= measured]
     verb = {"generate": "decodes", "train": "trains"}.get(which, "runs")
     lines = [headline(s, verb) for s in speedups]
     if which == "train":
@@ -204,6 +210,14 @@ def build_profile(args) -> Profile:
         if args.repeats < 1:
             raise SystemExit(f"lintrans bench: --repeats must be >= 1, got {args.repeats}")
         prof.caps.repeats = args.repeats
+    if getattr(args, "mechanisms", None):
+        from lintrans.nn.registry import available_attention
+
+        known = [a for a in available_attention() if a not in ("softmax", "linear", "none")]
+        for name in args.mechanisms:
+            if name not in known:
+                raise SystemExit(f"lintrans bench: --mechanisms must be among {known}, got {name!r}")
+        prof.mechanisms = tuple(args.mechanisms)
     prof.sizes = tuple(args.sizes) if getattr(args, "sizes", None) else prof.sizes
     prof.forms = tuple(args.forms) if getattr(args, "forms", None) else prof.forms
     return prof

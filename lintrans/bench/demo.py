@@ -60,7 +60,7 @@ def run(args) -> int:
     # budget buys: a single slow moment once put chunked level with softmax at 4k (1.00x), where a
     # run minutes earlier measured 1.51x
     prof.caps.min_repeats = 2
-    prof.ops_only = ["chunked", "softmax"]
+    prof.ops_only = ["linear chunked", "softmax (SDPA)"]
     prof.ops_T = powers_of_two(256, args.ops_max_T)
     ops = run_benchmark("ops", prof, out=args.out)
     prof.sizes, prof.forms = (args.size,), ("chunked",)

@@ -73,7 +73,10 @@ def matmul_probe(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> di
     GFLOP/s of an n-square float32 matmul, best and median over ``seconds``, and max/min time."""
     times = _matmul_times(n, torch.float32, device, seconds, min_reps=3)
     flop = 2 * n**3 / 1e9
-    return {"matmul_gflops_best": round(flop / times[0], 1), "matmul_gflops_median": round(flop / times[len(times) // 2], 1),
+    def gflops(t: float) -> float:  # 3 significant digits: never rounded to 0 on a tiny or stalled probe
+        return float(f"{flop / t:.3g}")
+
+    return {"matmul_gflops_best": gflops(times[0]), "matmul_gflops_median": gflops(times[len(times) // 2]),
             "matmul_slowest_over_fastest": round(times[-1] / times[0], 2)}
 
 

@@ -31,11 +31,29 @@ def op_series(chunk_size, feature_map: str = "elu") -> dict[str, Callable]:
             return lambda q, k, v: linear_attention(q, k, v, form=form, feature_map=feature_map, chunk_size=c)[0]
 
         series[f"linear {form}"] = PerT(make)
+        if form == "chunked":
+            series[GATED_OP] = PerT(lambda T: _gated(chunk_size(T) if callable(chunk_size) else chunk_size, feature_map))
     series.update(_optional_ops())
     from .peers import peer_ops
 
     series.update(peer_ops(feature_map))
     return series
+
+
+GATED_OP = "linear chunked gated"
+
+
+def _gated(chunk: int, feature_map: str) -> Callable:
+    """Chunked linear attention with a data-dependent decay per token and head: the gate is computed
+    from q (log_decay = -softplus(q[..., 0]) / 16, [B, T, H]), so its backward is timed too, as a
+    trained gate's would be."""
+    from lintrans.ops import linear_attention
+
+    def fn(q, k, v):
+        log_decay = -torch.nn.functional.softplus(q[..., 0]) / 16  # [B,T,H]
+        return linear_attention(q, k, v, feature_map=feature_map, chunk_size=chunk, log_decay=log_decay)[0]
+
+    return fn
 
 
 def _optional_ops() -> dict[str, Callable]:
@@ -82,7 +100,9 @@ def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Cal
     from .peers import COMPANION_OF
 
     def picks(n: str, name: str) -> bool:
-        return n == name or n in COMPANION_OF.get(name, name)
+        if n in series:  # a full series name picks that series only
+            return n == name
+        return n in COMPANION_OF.get(name, name)
 
     unknown = [n for n in only if not any(picks(n, name) for name in series)]
     if unknown:

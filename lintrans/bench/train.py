@@ -15,11 +15,22 @@ LINEAR_FORMS = ("chunked", "attention", "attention_blocked", "state_parallel", "
 FLOOR = "no mixing (floor)"
 
 
-def train_series(forms=LINEAR_FORMS, floor: bool = True) -> list[tuple[str, str, Optional[str]]]:
+def train_series(forms=LINEAR_FORMS, floor: bool = True, mechanisms=()) -> list[tuple[str, str, Optional[str]]]:
     """(series name, attention, form) in plotting order. The floor is the same GPT with attention
-    "none": everything but the token mixing, so softmax / floor bounds what any mechanism can gain."""
+    "none": everything but the token mixing, so softmax / floor bounds what any mechanism can gain.
+    ``mechanisms``: other registered attention names (e.g. ``gated-linear``), each a series of its
+    own, chunked where it is a linear-attention layer."""
     series = [("softmax (SDPA)", "softmax", None)] + [(f"linear {f}", "linear", f) for f in forms]
+    series += [(m, m, "chunked" if _is_linear(m) else None) for m in mechanisms]
     return series + ([(FLOOR, "none", None)] if floor else [])
+
+
+def _is_linear(attention: str) -> bool:
+    """Whether the mechanism is a linear-attention layer (takes form and chunk_size options)."""
+    from lintrans.nn.attention import LinearAttention
+    from lintrans.nn.registry import get_attention
+
+    return issubclass(get_attention(attention), LinearAttention)
 
 
 def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu") -> int:
@@ -32,7 +43,7 @@ def gpt_config(size: str, T: int, attention: str, form: Optional[str], chunk_siz
     from lintrans.models import GPTConfig
 
     n_layer, n_head, n_embd = SIZES[size]
-    opts = {"form": form, "chunk_size": chunk_size} if attention == "linear" else {}
+    opts = {"form": form, "chunk_size": chunk_size} if form is not None else {}
     return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=VOCAB, block_size=T,
                      dropout=0.0, attention=attention, attention_options=opts, **overrides)
 
@@ -57,13 +68,13 @@ def make_train_step(config, T: int, device: str = "cpu"):
 
 
 def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORMS, device: str = "cpu",
-              tuned_chunk: bool = True, floor: bool = True, on_point=None) -> list[Point]:
+              tuned_chunk: bool = True, floor: bool = True, mechanisms=(), on_point=None) -> list[Point]:
     points: list[Point] = []
     for size in sizes:
         head_dim = SIZES[size][2] // SIZES[size][1]
         softmax = f"{size} softmax (SDPA)"
         series = []
-        for name, attention, form in train_series(forms, floor):
+        for name, attention, form in train_series(forms, floor, mechanisms):
             def make(T, attention=attention, form=form):
                 chunk = chunk_for(T, head_dim, device=device) if (tuned_chunk and form == "chunked") else 64
                 step = make_train_step(gpt_config(size, T, attention, form, chunk), T, device)

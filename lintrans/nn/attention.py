@@ -204,9 +204,11 @@ class LinearAttention(QKVAttention):
     """Causal linear attention: chunked (or any form) for the prompt, a fixed-size state per token after.
 
     The cache is the recurrent state (S [B, H, F, D], z [B, H, F]): its size does not depend on
-    how many tokens it summarises.
+    how many tokens it summarises. Subclasses (the gated mechanisms in ``lintrans.nn.gated``) add a
+    decay of that state (``log_decay``) and a transform of the output (``finish``).
     """
 
+    NAME = "linear"
     DEFAULTS = {
         "feature_map": "elu",
         "feature_map_options": {},  # constructor arguments of a module feature map
@@ -215,13 +217,13 @@ class LinearAttention(QKVAttention):
         "form": "chunked",
         "chunk_size": 64,
         "normalize": True,
-        "scale": 1.0,
+        "scale": 1.0,  # None: 1 / sqrt(head_dim)
         "eps": 1e-6,
     }
 
     def __init__(self, config):
         super().__init__(config)
-        opts = _check_options("linear", dict(config.attention_options), self.DEFAULTS)
+        opts = _check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
         if opts["form"] not in FORMS:
             raise ValueError(f"attention_options['form'] must be one of {list(FORMS)}, got {opts['form']!r}")
         if opts["chunk_size"] != "auto":  # "auto": the op picks the measured fastest (lintrans tune)
@@ -235,7 +237,17 @@ class LinearAttention(QKVAttention):
         if self.feature_map_name is None:
             self.phi_q, self.phi_k = fm
         self.form, self.chunk_size = opts["form"], opts["chunk_size"]
-        self.kw = {"normalize": opts["normalize"], "scale": opts["scale"], "eps": opts["eps"]}
+        scale = self.head_dim ** -0.5 if opts["scale"] is None else opts["scale"]
+        self.kw = {"normalize": opts["normalize"], "scale": scale, "eps": opts["eps"]}
+        self.options = opts
+
+    def log_decay(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The state's log-decay for input x [B, T, C]: None, [B, T, H] or [H]."""
+        return None
+
+    def finish(self, o: torch.Tensor) -> torch.Tensor:
+        """A transform of the attention output o [B, T, H, D] before the output projection."""
+        return o
 
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         q, k, v = self.qkv(x)
@@ -243,12 +255,16 @@ class LinearAttention(QKVAttention):
         phi = self.feature_map_name
         if phi is None:
             phi = self.phi_q if self.phi_k is None else (self.phi_q, self.phi_k)
+        ld = self.log_decay(x)  # None, [B,T,H] or [H]
         if cache is not None and x.shape[1] == 1:
-            o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], cache, feature_map=phi, **self.kw)
+            step_ld = ld[:, 0] if ld is not None and ld.dim() == 3 else ld
+            o, state = linear_attention_step(
+                q[:, 0], k[:, 0], v[:, 0], cache, feature_map=phi, log_decay=step_ld, **self.kw
+            )
             o = o[:, None]  # [B,1,H,D]
         else:
             o, state = linear_attention(
                 q, k, v, form=self.form, feature_map=phi, chunk_size=self.chunk_size,
-                initial_state=cache, output_final_state=use_cache, **self.kw,
+                initial_state=cache, output_final_state=use_cache, log_decay=ld, **self.kw,
             )
-        return self.out(o), (state if use_cache else None)
+        return self.out(self.finish(o)), (state if use_cache else None)

@@ -16,7 +16,7 @@ import importlib
 
 _REGISTRY: dict[str, type] = {}
 # modules that register mechanisms when imported; imported lazily so the core stays light
-_PROVIDERS = ("lintrans.nn.attention", "lintrans.nn.aft", "lintrans.nn.sliding_window")
+_PROVIDERS = ("lintrans.nn.attention", "lintrans.nn.gated", "lintrans.nn.aft", "lintrans.nn.sliding_window")
 
 
 def register_attention(name: str):

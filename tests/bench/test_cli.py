@@ -32,7 +32,10 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
     out = tmp_path / "res"
     assert main(["bench", "ops", "--max-T", "256", "--ops", "chunked", "softmax", "--out", str(out)]) == 0
     data = json.loads((out / "ops.json").read_text())
-    assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked"}
+    assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked", "linear chunked gated"}
+    assert [(s["fast"], s["slow"]) for s in data["speedups"]] == [
+        ("linear chunked", "softmax (SDPA)"), ("linear chunked gated", "linear chunked"),
+        ("linear chunked gated", "softmax (SDPA)")]
     assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0
     m = data["machine"]  # the matmul speed the run ended at, for comparing records across days
     assert m["matmul_gflops_best"] >= m["matmul_gflops_median"] > 0 and m["matmul_slowest_over_fastest"] >= 1
@@ -51,3 +54,29 @@ def test_bench_loss_writes_both_series(tmp_path):
     data = json.loads((out / "loss.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"logits + F.cross_entropy", "linear_cross_entropy"}
     assert all(r["status"] == "ok" for r in data["rows"])
+
+
+def test_bench_ops_full_series_name_picks_only_that_series(tmp_path):
+    out = tmp_path / "res"
+    assert main(["bench", "ops", "--max-T", "256", "--repeats", "1", "--ops", "linear chunked", "--out", str(out)]) == 0
+    data = json.loads((out / "ops.json").read_text())
+    assert {r["series"] for r in data["rows"]} == {"linear chunked"} and data["speedups"] == []
+
+
+def test_bench_train_with_gated_mechanisms(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_memo", {})
+    monkeypatch.setattr(tune, "measure_candidate", lambda c, *a, **k: float(c))
+    out = tmp_path / "res"
+    assert main(["bench", "train", "--max-T", "256", "--repeats", "1", "--forms", "chunked",
+                 "--mechanisms", "gated-linear", "retention", "--out", str(out)]) == 0
+    data = json.loads((out / "train.json").read_text())
+    assert {"4L-128 gated-linear", "4L-128 retention"} <= {r["series"] for r in data["rows"] if r["status"] == "ok"}
+    assert ("4L-128 gated-linear", "4L-128 softmax (SDPA)") in [(s["fast"], s["slow"]) for s in data["speedups"]]
+
+
+def test_bench_rejects_unknown_mechanism():
+    import pytest
+
+    with pytest.raises(SystemExit, match="--mechanisms must be among"):
+        main(["bench", "train", "--mechanisms", "linear"])

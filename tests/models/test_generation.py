@@ -6,7 +6,7 @@ from lintrans.models.generate import sample_next
 from lintrans.nn import available_attention
 
 # options that make each mechanism exercise its awkward paths (chunk boundaries inside the prompt)
-OPTIONS = {"linear": {"chunk_size": 4}}
+OPTIONS = {"linear": {"chunk_size": 4}, "retention": {"chunk_size": 4}, "gated-linear": {"chunk_size": 4}}
 
 
 def perturbed(model):
@@ -40,6 +40,8 @@ CASES = [
     ("linear", {"feature_map": "rebased"}),
     ("linear", {"feature_map": "hedgehog"}),
     ("linear", {"feature_map": "performer", "feature_map_options": {"num_features": 16}}),
+    ("gated-linear", {"feature_map": "elu", "normalize": True, "chunk_size": 5}),
+    ("retention", {"feature_map": "elu", "group_norm": False, "form": "state_parallel"}),
 ]
 
 

@@ -1,0 +1,101 @@
+"""Gated linear attention for the GPT: the recurrent state decays at every token.
+
+``retention`` (RetNet, Sun et al. 2023): a fixed decay per head, ``gamma_h = 1 - 2^(-5 - h)``, so
+head h forgets with a time constant of about 2^(5 + h) tokens; identity feature map with q scaled by
+1/sqrt(D), no normaliser, and each head's output layer-normalised (RetNet's group norm, here
+without affine parameters since ``c_proj`` follows). RetNet's swish output gate is not included.
+
+``gated-linear`` (simple GLA / Mamba-2 style): a data-dependent scalar gate per token and head,
+``log_decay = -softplus(x W_g + b_g) / tau``. The bias starts at RetNet's schedule (gates near 1,
+different time constants per head) and ``W_g`` at zero-mean N(0, 0.02^2), so training starts from
+retention and learns when to forget. Same feature map, scaling and output norm as ``retention``.
+
+Both accept every option of ``linear`` (feature map, form, chunk size, normalize, scale, eps), with
+these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``tau`` (> 0).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import LinearAttention
+from .registry import register_attention
+
+_GATED_DEFAULTS = {
+    **LinearAttention.DEFAULTS,
+    "feature_map": "identity",
+    "normalize": False,
+    "scale": None,  # 1 / sqrt(head_dim)
+    "group_norm": True,
+}
+
+
+def retnet_log_decays(n_head: int, device=None) -> torch.Tensor:
+    """log(1 - 2^(-5 - h)) for h = 0 .. n_head - 1: RetNet's fixed multi-scale decays, [H] float64."""
+    return torch.log1p(-(2.0 ** (-5.0 - torch.arange(n_head, dtype=torch.float64, device=device))))
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"attention_options['{name}'] must be a bool, got {value!r}")
+
+
+class _GatedAttention(LinearAttention):
+    def __init__(self, config):
+        super().__init__(config)
+        _check_bool("group_norm", self.options["group_norm"])
+        self.group_norm = self.options["group_norm"]
+
+    def finish(self, o: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(o, (o.shape[-1],)) if self.group_norm else o  # per head: [B,T,H,D] over D
+
+
+@register_attention("retention")
+class Retention(_GatedAttention):
+    """RetNet's retention: linear attention with a fixed decay per head (see the module docstring)."""
+
+    NAME = "retention"
+    DEFAULTS = _GATED_DEFAULTS
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        # made per call (H numbers) rather than kept as a buffer, which .half() would round
+        return retnet_log_decays(self.n_head, x.device)  # [H]
+
+
+class DecayGate(nn.Module):
+    """x [B, T, C] -> log_decay [B, T, H] = -softplus(x W + b) / tau, in (-inf, 0)."""
+
+    def __init__(self, n_embd: int, n_head: int, tau: float):
+        super().__init__()
+        self.tau = tau
+        self.weight = nn.Parameter(torch.randn(n_head, n_embd) * 0.02)  # [H,C]
+        # softplus(b_h) / tau = -log(1 - 2^(-5-h)): RetNet's decays at the start
+        target = -retnet_log_decays(n_head).double() * tau
+        self.bias = nn.Parameter((target + torch.log(-torch.expm1(-target))).float())  # softplus^-1, [H]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -F.softplus(F.linear(x, self.weight, self.bias)) / self.tau  # [B,T,H]
+
+    def extra_repr(self) -> str:
+        return f"n_embd={self.weight.shape[1]}, n_head={self.weight.shape[0]}, tau={self.tau}"
+
+
+@register_attention("gated-linear")
+class GatedLinearAttention(_GatedAttention):
+    """Linear attention with a learned gate per token and head (see the module docstring)."""
+
+    NAME = "gated-linear"
+    DEFAULTS = {**_GATED_DEFAULTS, "tau": 16.0}
+
+    def __init__(self, config):
+        super().__init__(config)
+        tau = self.options["tau"]
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (tau > 0 and math.isfinite(tau)):
+            raise ValueError(f"attention_options['tau'] must be a number > 0, got {tau!r}")
+        self.gate = DecayGate(config.n_embd, self.n_head, float(tau))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
