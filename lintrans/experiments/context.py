@@ -102,33 +102,51 @@ def _windows(tokens: np.ndarray, start: int, n_tokens: int, T: int):
     return w[:, :-1], w[:, 1:]
 
 
+class TextStream:
+    """Training batches and held-out windows of the corpus for one run.
+
+    Update s reads tokens_per_update + 1 consecutive training tokens from a seeded offset, cut into
+    windows of T: every mechanism and context of one seed sees the same tokens in the same order.
+    Held-out: the first ``val_tokens`` of the validation split, cut the same way.
+    """
+
+    def __init__(self, source: str, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int):
+        self.data = token_data(source)
+        self.T, self.tpu = T, tokens_per_update
+        rng = np.random.Generator(np.random.PCG64(seed))
+        self.starts = rng.integers(0, len(self.data.train) - tokens_per_update - 1, size=steps)
+        self.val = [_windows(self.data.val, i, min(tokens_per_update, val_tokens - i), T)
+                    for i in range(0, val_tokens, tokens_per_update)]
+
+    def batch(self, step: int):
+        return _windows(self.data.train, int(self.starts[step]), self.tpu, self.T)
+
+    def val_loss(self, model: GPT) -> float:
+        with torch.no_grad():
+            total = sum(model(x, y, return_logits=False)[1].item() * x.numel() for x, y in self.val)
+        return total / sum(x.numel() for x, _ in self.val)
+
+
 def run(spec: dict, env: study.RunEnv) -> dict:
-    data = token_data(spec["source"])
-    T, tpu = spec["context"], spec["tokens_per_update"]
+    return train_lm(spec, env)[1]
+
+
+def train_lm(spec: dict, env: study.RunEnv):
+    """Train the GPT of a run spec on the text stream: (model, result)."""
+    T = spec["context"]
+    stream = TextStream(spec["source"], T, spec["tokens_per_update"], spec["steps"], spec["seed"],
+                        spec["val_tokens"])
     config = gpt_config(spec["attention"], n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
-                        block_size=T, vocab_size=data.vocab_size)
+                        block_size=T, vocab_size=stream.data.vocab_size)
     torch.manual_seed(spec["seed"])
     model = GPT(config)
-    # the same offsets for every mechanism and context of one seed: the same tokens in the same order
-    rng = np.random.Generator(np.random.PCG64(spec["seed"]))
-    starts = rng.integers(0, len(data.train) - tpu - 1, size=spec["steps"])
-    val = [_windows(data.val, i, tpu, T) for i in range(0, spec["val_tokens"], tpu)]
-    val += [] if spec["val_tokens"] % tpu == 0 else [_windows(data.val, 0, spec["val_tokens"] % tpu, T)]
-
-    def loss_at(step: int) -> torch.Tensor:
-        x, y = _windows(data.train, int(starts[step]), tpu, T)
-        return model(x, y, return_logits=False)[1]
-
-    def evaluate() -> dict:
-        total = sum(model(x, y, return_logits=False)[1].item() * x.numel() for x, y in val)
-        return {"val_loss": total / sum(x.numel() for x, _ in val)}
-
-    out = study.train(model, lr=spec["lr"], steps=spec["steps"], loss_at=loss_at, evaluate=evaluate,
-                      eval_every=spec["eval_every"], env=env)
+    out = study.train(model, lr=spec["lr"], steps=spec["steps"],
+                      loss_at=lambda step: model(*stream.batch(step), return_logits=False)[1],
+                      evaluate=lambda: {"val_loss": stream.val_loss(model)}, eval_every=spec["eval_every"], env=env)
     out["params"] = study.param_count(model)
     out["spikes"] = study.loss_spikes(out["train_loss"])
     out["final_val_loss"] = out["evals"][-1]["val_loss"] if not out["diverged"] else None
-    return out
+    return model, out
 
 
 def _units(spec: dict) -> int:

@@ -81,3 +81,28 @@ def recall_batch(
     targets = torch.full_like(idx, -1)
     targets[:, 2 * n_pairs::2] = answers
     return idx.to(device), targets.to(device)
+
+
+def averaging_errors(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """Squared error at point k + 1 of the averaging estimator w_hat = mean_{i<=k} y_i x_i (Garg et al.'s
+    baseline: unbiased for x ~ N(0, I), but it never becomes exact): [B, P], k = 0 predicts 0."""
+    xs64, ys64 = xs.double(), ys.double()
+    sums = torch.cumsum(ys64[..., None] * xs64, dim=1)  # [B,P,n] sum over i <= k of y_i x_i
+    counts = torch.arange(1, xs.shape[1] + 1, dtype=torch.float64)[None, :, None]
+    w_hat = torch.cat([torch.zeros_like(sums[:, :1]), (sums / counts)[:, :-1]], dim=1)  # from points before k+1
+    return ((w_hat * xs64).sum(-1) - ys64) ** 2
+
+
+def nearest_neighbour_errors(xs: torch.Tensor, ys: torch.Tensor, k_nn: int = 3) -> torch.Tensor:
+    """Squared error at point k + 1 of the mean y of its ``k_nn`` nearest earlier x (all of them while
+    fewer exist): [B, P], k = 0 predicts 0."""
+    check_positive_int("k_nn", k_nn)
+    xs64, ys64 = xs.double(), ys.double()
+    B, P, _ = xs.shape
+    errors = torch.empty(B, P, dtype=torch.float64)
+    errors[:, 0] = ys64[:, 0] ** 2
+    for k in range(1, P):
+        dist = (xs64[:, :k] - xs64[:, k, None]).norm(dim=-1)  # [B,k]
+        near = dist.topk(min(k_nn, k), dim=1, largest=False).indices
+        errors[:, k] = (ys64[:, :k].gather(1, near).mean(1) - ys64[:, k]) ** 2
+    return errors

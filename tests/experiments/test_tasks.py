@@ -79,3 +79,18 @@ def test_regression_rejects_bad_sizes():
         regression_batch(2, 3, 0)
     with pytest.raises(TypeError, match="n_points"):
         regression_batch(2, 2.5, 3)
+
+
+def test_averaging_and_nearest_neighbour_baselines():
+    from lintrans.experiments.tasks import averaging_errors, nearest_neighbour_errors
+
+    xs, ys, w = regression_batch(4, 6, 3, gen())
+    avg, nn = averaging_errors(xs, ys), nearest_neighbour_errors(xs, ys)
+    assert avg.shape == nn.shape == (4, 6)
+    assert torch.equal(avg[:, 0], ys[:, 0].double() ** 2) and torch.equal(nn[:, 0], avg[:, 0])
+    b, k = 1, 4  # by hand at one point
+    w_hat = (ys[b, :k, None].double() * xs[b, :k].double()).mean(0)
+    assert avg[b, k] == pytest.approx(float((w_hat @ xs[b, k].double() - ys[b, k]) ** 2))
+    near = (xs[b, :k] - xs[b, k]).norm(dim=-1).argsort()[:3]
+    assert nn[b, k] == pytest.approx(float((ys[b, near].double().mean() - ys[b, k]) ** 2))
+    assert nn[b, 1] == pytest.approx(float((ys[b, 0] - ys[b, 1]) ** 2))  # one earlier point: its y

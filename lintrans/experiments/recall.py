@@ -1,0 +1,223 @@
+"""Study ``recall``: multi-query associative recall (MQAR, Zoology / Based) against state size.
+
+A sequence is P key-value pairs then the P keys again in random order, each followed by its value
+(``tasks.recall_batch``: T = 4P tokens); keys come from the first half of a vocabulary of 8192 and
+values from the second. A 2-layer GPT (token model, learned positions) is trained with cross-entropy
+at the query positions only, and scored by held-out accuracy there. The figure is Zoology's:
+accuracy against the floats one layer keeps to continue the sequence, measured from the model's
+own generation cache at length T (softmax: its KV cache, 2 T d; linear: H F (Dv + 1); sliding
+window: its ring buffer, about 2 w d; gated: its state). The state is swept by the model shape:
+width 64 and 128 with head size 16, and width 128 with head size 32 (which grows the feature
+dimension of based and ReBased, F = 1 + p + p(p+1)/2 and p(p+1)/2 for head size p).
+
+Shrunk to fit an hour on 2 cores (Zoology trains far longer on a mixture of lengths): one sequence
+setting (T = 64, 16 pairs) for training, the sweep and the evaluation, a few thousand sequences
+per run. Budget arithmetic: docs/experiments.md and the settings below.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lintrans.models.gpt import GPT
+
+from . import study
+from .models import check_specs, gpt_config, state_floats
+from .tasks import recall_batch
+
+NAME = "recall"
+VERSION = 1
+
+DEFAULT = {
+    "mechanisms": ["softmax", "linear:elu", "linear:based", "linear:rebased", "sliding-window:window=8",
+                   "gated-linear"],
+    "shapes": [[64, 4], [128, 8], [128, 4]],  # [width, heads]: head size 16, 16, 32
+    "sweep_shape": [64, 4],
+    "lrs": [1e-3, 3e-3, 1e-2],
+    "seeds": 3,
+    "n_layer": 2,
+    "vocab_size": 8192,
+    "pairs": 16,
+    "steps": 800,
+    "batch_size": 64,
+    "eval_every": 100,
+    "eval_batch": 1024,
+}
+QUICK = {
+    "mechanisms": ["softmax", "linear:elu"],
+    "shapes": [[16, 2], [32, 2]],
+    "sweep_shape": [16, 2],
+    "seeds": 2,
+    "vocab_size": 64,
+    "pairs": 4,
+    "steps": 20,
+    "batch_size": 16,
+    "eval_every": 10,
+    "eval_batch": 64,
+}
+
+# Published MQAR points of the Based paper (Arora et al. 2024, Figure 2 and text), for the plot:
+# Based at a state of ~1e4 floats reached ~0.67, and > 0.97 from ~1.5e5; attention ~1.0.
+PUBLISHED_BASED = [(1e4, 0.67), (1.5e5, 0.97)]
+
+
+def validate(s: dict) -> None:
+    for name in ("seeds", "n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch"):
+        study.check_int(name, s[name])
+    study.check_lrs(s["lrs"])
+    if not isinstance(s["shapes"], list) or not s["shapes"] or not all(
+            isinstance(x, list) and len(x) == 2 for x in s["shapes"]):
+        raise ValueError(f"shapes must be a list of [width, heads] pairs, got {s['shapes']!r}")
+    if s["sweep_shape"] not in s["shapes"]:
+        raise ValueError(f"sweep_shape {s['sweep_shape']} must be one of shapes {s['shapes']}")
+    if s["vocab_size"] < 2 * s["pairs"] or s["vocab_size"] % 2:
+        raise ValueError(f"vocab_size ({s['vocab_size']}) must be even and >= 2 * pairs ({2 * s['pairs']})")
+    for width, heads in s["shapes"]:
+        study.check_int("a shape's width", width)
+        study.check_int("a shape's heads", heads)
+        if width % heads:
+            raise ValueError(f"shape [{width}, {heads}]: width must be divisible by heads")
+        check_specs(s["mechanisms"], n_layer=1, n_head=heads, n_embd=width, block_size=4 * s["pairs"],
+                    vocab_size=s["vocab_size"], linear_form="attention")
+
+
+def run_spec(s: dict, mechanism: str, shape: list, lr: float, seed: int) -> dict:
+    keys = ("n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch")
+    return {"study": NAME, "version": VERSION, "attention": mechanism, "width": shape[0], "heads": shape[1],
+            "lr": lr, "seed": seed, **{k: s[k] for k in keys}}
+
+
+def _batch(spec: dict, n: int, generator: torch.Generator):
+    half = spec["vocab_size"] // 2
+    return recall_batch(n, spec["pairs"], spec["pairs"], half, half, generator)
+
+
+def _query_loss(model: GPT, idx, targets):
+    """Cross-entropy and accuracy at the query positions only: the head runs on those rows alone
+    (a 8192-word head on every position would cost more than the rest of the model)."""
+    h = model._hidden(idx, None)  # [B,T,C] after the final LayerNorm
+    asked = targets >= 0
+    logits = model.lm_head(h[asked])  # [N,V]
+    answers = targets[asked]
+    return F.cross_entropy(logits, answers), (logits.argmax(-1) == answers).float().mean()
+
+
+def run(spec: dict, env: study.RunEnv) -> dict:
+    T = 4 * spec["pairs"]
+    # linear attention in its quadratic form: the same function, fastest at T <= 256 on a CPU
+    config = gpt_config(spec["attention"], n_layer=spec["n_layer"], n_head=spec["heads"], n_embd=spec["width"],
+                        block_size=T, vocab_size=spec["vocab_size"], linear_form="attention")
+    torch.manual_seed(spec["seed"])
+    model = GPT(config)
+    train_gen = torch.Generator().manual_seed(spec["seed"])
+    held_out = _batch(spec, spec["eval_batch"], torch.Generator().manual_seed(10_000 + spec["seed"]))
+
+    def loss_at(step: int) -> torch.Tensor:
+        return _query_loss(model, *_batch(spec, spec["batch_size"], train_gen))[0]
+
+    def evaluate() -> dict:
+        loss, acc = _query_loss(model, *held_out)
+        return {"loss": loss.item(), "accuracy": acc.item()}
+
+    out = study.train(model, lr=spec["lr"], steps=spec["steps"], loss_at=loss_at, evaluate=evaluate,
+                      eval_every=spec["eval_every"], env=env)
+    final = out["evals"][-1] if not out["diverged"] else {"loss": None, "accuracy": None}
+    out.update(params=study.param_count(model), state_floats=state_floats(model, T),
+               final_loss=final["loss"], accuracy=final["accuracy"])
+    return out
+
+
+def _units(spec: dict) -> int:
+    return spec["steps"]
+
+
+def _final(result: dict):
+    return result["final_loss"]
+
+
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME)
+    mechs = s["mechanisms"]
+    sweep = study.lr_sweep(runner, {m: [run_spec(s, m, s["sweep_shape"], lr, 0) for lr in s["lrs"]]
+                                    for m in mechs}, _final)
+    grid = [(m, shape, seed) for m in mechs for shape in s["shapes"] for seed in range(s["seeds"])]
+    specs = [run_spec(s, m, shape, sweep["chosen"][m], seed) for m, shape, seed in grid]
+    results = runner.run(specs)
+    runs = [{"attention": m, "width": shape[0], "heads": shape[1], "seed": seed, "lr": spec["lr"],
+             "key": study.run_key(spec), **r} for (m, shape, seed), spec, r in zip(grid, specs, results)]
+    return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs), "runs_trained": runner.trained}
+
+
+def _select(runs, mech, shape):
+    return sorted((r for r in runs if r["attention"] == mech and [r["width"], r["heads"]] == list(shape)),
+                  key=lambda r: r["seed"])
+
+
+def summarize(s: dict, runs: list) -> dict:
+    points = {}
+    for m in s["mechanisms"]:
+        points[m] = []
+        for shape in s["shapes"]:
+            rs = _select(runs, m, shape)
+            points[m].append({"width": shape[0], "heads": shape[1], "state_floats": rs[0]["state_floats"],
+                              "params": rs[0]["params"], "accuracy": study.spread([r["accuracy"] for r in rs])})
+    chance = 1 / (s["vocab_size"] // 2)
+    return {"sequence_length": 4 * s["pairs"], "pairs": s["pairs"], "chance_accuracy": chance, "points": points}
+
+
+def table(record: dict) -> str:
+    s, points = record["settings"], record["summary"]["points"]
+    w = max(len(m) for m in s["mechanisms"]) + 2
+    head = f"{'accuracy (state floats/layer)':<{w}}" + "".join(
+        f"{'d=%d H=%d' % tuple(shape):>22}" for shape in s["shapes"])
+    lines = [head, "-" * len(head)]
+    for m in s["mechanisms"]:
+        cells = []
+        for p in points[m]:
+            a = p["accuracy"]["mean"]
+            cells.append(f"{('diverged' if a is None else f'{a:.3f}') + ' (%.3g)' % p['state_floats']:>22}")
+        lines.append(f"{m:<{w}}" + "".join(cells))
+    lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs; "
+                 f"lr per mechanism: {record['sweep']['chosen']})")
+    return "\n".join(lines)
+
+
+def plot(record: dict, out) -> list:
+    out = Path(out)
+    s, summ = record["settings"], record["summary"]
+    plt = study.pyplot()
+    mechs = s["mechanisms"]
+    setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs, vocabulary {s['vocab_size']}, "
+               f"{s['n_layer']} layers, {s['steps']} steps of {s['batch_size']}")
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for i, m in enumerate(mechs):
+        pts = sorted(summ["points"][m], key=lambda p: p["state_floats"])
+        per_seed = [[r["accuracy"] for r in _select(record["runs"], m, [p["width"], p["heads"]])] for p in pts]
+        study.band(ax, [p["state_floats"] for p in pts], [list(c) for c in zip(*per_seed)], label=m,
+                   color=f"C{i}", marker="o")
+    ax.plot(*zip(*PUBLISHED_BASED), "*", color="grey", ms=10, label="Based, published (Zoology scale)")
+    ax.axhline(summ["chance_accuracy"], color="grey", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    study.style(ax, "state per layer (floats; softmax: KV cache at T)", "held-out accuracy at queries",
+                f"associative recall against state size (points: width/heads; band: {s['seeds']} seeds)\n{setting}")
+    paths.append(study.save(fig, out / f"{NAME}_state.png"))
+
+    shapes = s["shapes"]
+    fig, axes = study.panels([f"width {w}, {h} heads" for w, h in shapes], sharey=True)
+    for ax, shape in zip(axes, shapes):
+        for i, m in enumerate(mechs):
+            rs = _select(record["runs"], m, shape)
+            study.band(ax, [e["step"] for e in rs[0]["evals"]], [[e["accuracy"] for e in r["evals"]] for r in rs],
+                       label=m, color=f"C{i}")
+    study.finish_panels(fig, axes, "training step", "held-out accuracy", f"learning curves (band: seeds)\n{setting}")
+    paths.append(study.save(fig, out / f"{NAME}_curves.png"))
+
+    w, h = s["sweep_shape"]
+    paths.append(study.plot_sweep(record["sweep"], out / f"{NAME}_lr_sweep.png",
+                                  f"width {w}, {h} heads\n{setting}", "held-out loss at queries"))
+    return paths

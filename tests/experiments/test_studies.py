@@ -1,0 +1,137 @@
+"""Every study end to end at --quick: the machinery works and its results are written. No test
+here asserts a scientific outcome or times anything."""
+import json
+
+import pytest
+
+from lintrans.cli import main
+from lintrans.experiments.cli import default_out
+
+
+def run_cli(name, out, *extra):
+    return main(["experiment", name, "--quick", "--no-progress", "--out", str(out), *extra])
+
+
+def trained(stdout: str) -> int:
+    line = next(line for line in stdout.splitlines() if "runs trained now" in line)
+    return int(line.split("(")[1].split()[0])
+
+
+def check_context(data):
+    s = data["settings"]
+    run = data["runs"][0]
+    assert len(run["train_loss"]) == len(run["seconds"]) == s["steps"]
+    assert [e["step"] for e in run["evals"]] == list(range(0, s["steps"] + 1, s["eval_every"]))
+    assert set(data["summary"]["final_val_loss"]["linear:elu"]) == {str(T) for T in s["contexts"]}
+    assert data["summary"]["same_time"]["mechanisms"]["softmax"]["finish_seconds"]["n"] == s["seeds"]
+    return len(s["mechanisms"]) * (len(s["lrs"]) + len(s["contexts"]) * s["seeds"] - 1)
+
+
+def check_recall(data):
+    s = data["settings"]
+    points = data["summary"]["points"]["linear:elu"]
+    assert [[p["width"], p["heads"]] for p in points] == s["shapes"]
+    assert all(p["state_floats"] > 0 and p["accuracy"]["n"] == s["seeds"] for p in points)
+    return len(s["mechanisms"]) * (len(s["lrs"]) + len(s["shapes"]) * s["seeds"] - 1)
+
+
+def check_regression(data):
+    s = data["settings"]
+    assert len(data["runs"][0]["error_by_examples"]) == s["eval_points"]
+    assert data["summary"]["baselines"]["least_squares"]["mean"][-1] < 1e-8
+    assert len(data["summary"]["error_by_examples"]["softmax"]["mean"]) == s["eval_points"]
+    return len(s["mechanisms"]) * (len(s["lrs"]) + s["seeds"] - 1)
+
+
+def check_distill(data):
+    s = data["settings"]
+    assert len(data["teachers"]) == s["seeds"]
+    assert all((data["runs_dir"] / f"{t['key']}.safetensors").is_file() for t in data["teachers"])
+    hedgehog = [r for r in data["runs"] if r["map"] == "hedgehog"]
+    assert len(hedgehog[0]["distill_loss"]) == s["n_layer"] and len(hedgehog[0]["attention_kl"]) == s["n_layer"]
+    row = data["summary"]["maps"]["elu"]
+    assert row["recovered_finetuned"]["n"] == s["seeds"] and row["val_loss_no_finetune"]["mean"] is not None
+    teachers = len(s["teacher_lrs"]) + s["seeds"] - 1
+    return teachers + len(s["maps"]) * (len(s["lrs"]) + s["seeds"] - 1)
+
+
+STUDIES = {
+    "context": (("final", "curves", "wallclock", "spikes", "lr_sweep"), check_context),
+    "recall": (("state", "curves", "lr_sweep"), check_recall),
+    "regression": (("examples", "extrapolation", "curves", "lr_sweep"), check_regression),
+    "distill": (("recovered", "kl", "finetune", "lr_sweep", "teacher_lr_sweep"), check_distill),
+}
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_quick_study_writes_its_record_and_resumes(name, tmp_path, capsys):
+    pngs, check = STUDIES[name]
+    assert run_cli(name, tmp_path) == 0
+    first = capsys.readouterr().out
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["study"] == name and "cpu" in data["machine"] and data["settings"]["quick"] is True
+    mechanisms = data["settings"].get("mechanisms") or data["settings"]["maps"]
+    assert set(data["sweep"]["chosen"]) == set(mechanisms)
+    assert all(len(rows) == len(data["settings"]["lrs"]) for rows in data["sweep"]["table"].values())
+    for png in pngs:
+        assert (tmp_path / f"{name}_{png}.png").read_bytes()[:4] == b"\x89PNG", png
+    n_runs = check({**data, "runs_dir": tmp_path / "runs"})
+    assert trained(first) == n_runs == len(list((tmp_path / "runs").glob("*.json")))
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
+    # started again: every run is found in the store, nothing is trained, the record is the same
+    assert run_cli(name, tmp_path) == 0
+    assert trained(capsys.readouterr().out) == 0
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == mtimes
+    assert json.loads((tmp_path / f"{name}.json").read_text())["runs"] == data["runs"]
+
+
+def test_parallel_jobs_give_the_same_results(tmp_path, capsys):
+    args = ["--mechanisms", "softmax", "--seeds", "1", "--set", "contexts=[32]", "--set", "steps=4"]
+    assert run_cli("context", tmp_path / "a", *args) == 0
+    assert run_cli("context", tmp_path / "b", "--jobs", "2", *args) == 0
+    capsys.readouterr()
+    a, b = (json.loads((tmp_path / d / "context.json").read_text()) for d in "ab")
+    # the same runs; only float rounding differs (the workers have their own torch thread count)
+    for ra, rb in zip(a["runs"], b["runs"]):
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-4)
+    assert a["sweep"]["chosen"] == b["sweep"]["chosen"]
+
+
+def test_plot_only_redraws(tmp_path, capsys):
+    assert run_cli("context", tmp_path, "--mechanisms", "softmax", "--seeds", "1", "--set", "contexts=[32]",
+                   "--set", "steps=2") == 0
+    (tmp_path / "context_final.png").unlink()
+    assert main(["experiment", "context", "--plot-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "context_final.png").is_file()
+
+
+def test_quick_does_not_default_to_the_record_folder():
+    assert "docs" not in str(default_out("context", True))
+    assert str(default_out("recall", False)) == "docs/results/experiments/recall"
+
+
+@pytest.mark.parametrize("name, args, match", [
+    ("context", ["--mechanisms", "bogus"], "attention must be one of"),
+    ("context", ["--set", "contexts=[32,48]"], "multiples of every context"),
+    ("context", ["--set", "nope=1"], "unknown setting"),
+    ("context", ["--set", "steps=x"], "steps"),
+    ("context", ["--set", "sweep_context=16"], "sweep_context"),
+    ("context", ["--jobs", "0"], "--jobs"),
+    ("context", ["--lrs", "2"], "lrs"),
+    ("context", ["--set", "contexts=64"], "contexts"),
+    ("recall", ["--set", "shapes=[[30,4]]", "--set", "sweep_shape=[30,4]"], "divisible"),
+    ("recall", ["--set", "sweep_shape=[8,2]"], "sweep_shape"),
+    ("recall", ["--set", "vocab_size=4"], "vocab_size"),
+    ("recall", ["--mechanisms", "sliding-window:bogus=1"], "bogus"),
+    ("regression", ["--set", "eval_points=3"], "eval_points"),
+    ("regression", ["--set", "curriculum=1.5"], "curriculum"),
+    ("regression", ["--seeds", "0"], "seeds"),
+    ("context", ["--plot-only"], "--plot-only"),
+    ("distill", ["--set", "maps=[\"elu\",\"cosine\"]"], "maps"),
+    ("distill", ["--set", "context=48"], "multiples of context"),
+])
+def test_bad_input_exits_2_with_one_line(name, args, match, tmp_path, capsys):
+    assert run_cli(name, tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lintrans experiment: ") and match in err and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
