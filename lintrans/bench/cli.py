@@ -115,9 +115,11 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         from .tune import auto_chunk_size
 
         chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device)  # noqa: E731 (elu: F = D)
+        gated_chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device, gated=True)  # noqa: E731
         n = len(op_series(64)) * len(prof.ops_T)
         bar = Progress(n, "ops")
-        points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, device=device, on_point=bar)
+        points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, gated_chunk=gated_chunk,
+                         device=device, on_point=bar)
         title = "causal attention op, forward + backward (B=1, H=8, D=64, float32)"
         comparisons = [("linear chunked", "softmax (SDPA)"), (GATED_OP, "linear chunked"), (GATED_OP, "softmax (SDPA)")]
     elif which == "train":

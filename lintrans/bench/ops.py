@@ -16,11 +16,13 @@ class PerT:
         self.make = make
 
 
-def op_series(chunk_size, feature_map: str = "elu") -> dict[str, Callable]:
+def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None) -> dict[str, Callable]:
     """name -> fn(q, k, v) -> o on [B, T, H, D], or a maker T -> such a fn (for a per-T chunk size).
 
-    ``chunk_size``: an int or a function T -> int.
+    ``chunk_size``: an int or a function T -> int; ``gated_chunk``: the same for the gated series
+    (default: ``chunk_size``).
     """
+    gated_chunk = chunk_size if gated_chunk is None else gated_chunk
     from lintrans.ops import FORMS, linear_attention, softmax_attention
 
     series: dict[str, Callable] = {"softmax (SDPA)": lambda q, k, v: softmax_attention(q, k, v)}
@@ -32,7 +34,7 @@ def op_series(chunk_size, feature_map: str = "elu") -> dict[str, Callable]:
 
         series[f"linear {form}"] = PerT(make)
         if form == "chunked":
-            series[GATED_OP] = PerT(lambda T: _gated(chunk_size(T) if callable(chunk_size) else chunk_size, feature_map))
+            series[GATED_OP] = PerT(lambda T: _gated(gated_chunk(T) if callable(gated_chunk) else gated_chunk, feature_map))
     series.update(_optional_ops())
     from .peers import peer_ops
 
@@ -110,9 +112,9 @@ def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Cal
     return {name: fn for name, fn in series.items() if any(picks(n, name) for n in only)}
 
 
-def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, H: int = 8,
-            D: int = 64, device: str = "cpu", on_point=None) -> list[Point]:
-    series = op_series(chunk_size)
+def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, gated_chunk=None,
+            H: int = 8, D: int = 64, device: str = "cpu", on_point=None) -> list[Point]:
+    series = op_series(chunk_size, gated_chunk=gated_chunk)
     if only:
         series = select_series(series, only)
     specs = [Series(name, lambda T, fn=fn: make_op_step(fn, T, H=H, D=D, device=device)) for name, fn in series.items()]

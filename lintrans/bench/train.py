@@ -33,10 +33,18 @@ def _is_linear(attention: str) -> bool:
     return issubclass(get_attention(attention), LinearAttention)
 
 
-def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu") -> int:
+def _is_gated(attention: str) -> bool:
+    """Whether the mechanism decays its state (overrides ``LinearAttention.log_decay``)."""
+    from lintrans.nn.attention import LinearAttention
+    from lintrans.nn.registry import get_attention
+
+    return _is_linear(attention) and get_attention(attention).log_decay is not LinearAttention.log_decay
+
+
+def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu", gated: bool = False) -> int:
     from .tune import auto_chunk_size, feature_dim_of
 
-    return auto_chunk_size(T, head_dim, feature_dim_of(feature_map, head_dim), torch.float32, device)
+    return auto_chunk_size(T, head_dim, feature_dim_of(feature_map, head_dim), torch.float32, device, gated=gated)
 
 
 def gpt_config(size: str, T: int, attention: str, form: Optional[str], chunk_size: int = 64, **overrides):
@@ -76,7 +84,9 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
         series = []
         for name, attention, form in train_series(forms, floor, mechanisms):
             def make(T, attention=attention, form=form):
-                chunk = chunk_for(T, head_dim, device=device) if (tuned_chunk and form == "chunked") else 64
+                chunk = 64
+                if tuned_chunk and form == "chunked":  # identity (gated defaults) and elu: F = D alike
+                    chunk = chunk_for(T, head_dim, device=device, gated=_is_gated(attention))
                 step = make_train_step(gpt_config(size, T, attention, form, chunk), T, device)
                 return step, {"chunk_size": chunk} if form in ("chunked", "attention_blocked") else {}
 

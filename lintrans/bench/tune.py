@@ -2,7 +2,8 @@
 
 The chunked form's forward + backward is timed for each candidate chunk size on random features
 of the call's shape class, and the fastest is kept in a JSON cache on disk keyed by (device,
-dtype, head dim, feature dim, T bucket), so a second run, in this process or a later one, pays
+dtype, head dim, feature dim, T bucket, gated or not: a decay adds work per [c, c] block, so
+gated attention prefers smaller chunks), so a second run, in this process or a later one, pays
 nothing. The cache lives in ``$LINTRANS_CACHE_DIR`` (default ``~/.cache/lintrans``).
 """
 from __future__ import annotations
@@ -46,8 +47,9 @@ def device_name(device) -> str:
     return device.type
 
 
-def cache_key(device, dtype: torch.dtype, head_dim: int, feature_dim: int, T: int) -> str:
-    return f"{device_name(device)}|{str(dtype).replace('torch.', '')}|D{head_dim}|F{feature_dim}|T{t_bucket(T)}"
+def cache_key(device, dtype: torch.dtype, head_dim: int, feature_dim: int, T: int, gated: bool = False) -> str:
+    key = f"{device_name(device)}|{str(dtype).replace('torch.', '')}|D{head_dim}|F{feature_dim}|T{t_bucket(T)}"
+    return key + ("|gated" if gated else "")
 
 
 def _load() -> dict:
@@ -68,7 +70,7 @@ def _save(key: str, entry: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
-def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3) -> float:
+def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3, ld=None) -> float:
     """Seconds of the chunked form's forward + backward at this chunk size: the fastest repeat,
     since interference only adds time (see measure.py)."""
     from lintrans.ops.linear import FORMS
@@ -76,9 +78,10 @@ def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3) -> float:
     from .measure import time_step
 
     def step():
-        for x in (fq, fk, v):
-            x.grad = None
-        y, _ = FORMS["chunked"](fq, fk, v, S0, chunk)
+        for x in (fq, fk, v, ld):
+            if x is not None:
+                x.grad = None
+        y, _ = FORMS["chunked"](fq, fk, v, S0, chunk, ld)
         y.sum().backward()
 
     step()  # warm-up
@@ -86,7 +89,7 @@ def measure_candidate(chunk: int, fq, fk, v, S0, repeats: int = 3) -> float:
 
 
 def tune_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32, device="cpu",
-                    candidates=CANDIDATES, repeats: int = 2) -> tuple[int, dict[int, float]]:
+                    candidates=CANDIDATES, repeats: int = 2, gated: bool = False) -> tuple[int, dict[int, float]]:
     """Time every candidate (<= the T bucket) and return (fastest, {chunk: seconds})."""
     Tb = t_bucket(T)
     cands = [c for c in candidates if c <= Tb] or [min(candidates)]
@@ -96,20 +99,23 @@ def tune_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32
     fq, fk = (torch.rand(*shape, feature_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
     v = torch.randn(*shape, head_dim + 1, generator=g).to(device, dtype).requires_grad_()
     S0 = torch.zeros(1, TUNE_HEADS, feature_dim, head_dim + 1, dtype=dtype, device=device)
+    ld = -torch.rand(*shape, generator=g).to(device, dtype).requires_grad_() if gated else None  # [1,H,T]
     with torch.enable_grad():
-        timings = {c: measure_candidate(c, fq, fk, v, S0, repeats) for c in cands}
+        timings = {c: measure_candidate(c, fq, fk, v, S0, repeats, ld=ld) for c in cands}
     return min(timings, key=timings.get), timings
 
 
-def auto_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32, device="cpu") -> int:
-    """The cached fastest chunk size for this shape class; measured (and cached) on first use."""
+def auto_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32, device="cpu",
+                    gated: bool = False) -> int:
+    """The cached fastest chunk size for this shape class (with a decay when ``gated``); measured
+    (and cached) on first use."""
     dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) and torch.device(device).type == "cpu" else dtype
-    key = cache_key(device, dtype, head_dim, feature_dim, T)
+    key = cache_key(device, dtype, head_dim, feature_dim, T, gated)
     if key in _memo:
         return _memo[key]
     entry = _load().get(key)
     if not (isinstance(entry, dict) and isinstance(entry.get("chunk_size"), int) and entry["chunk_size"] >= 1):
-        best, timings = tune_chunk_size(T, head_dim, feature_dim, dtype, device)
+        best, timings = tune_chunk_size(T, head_dim, feature_dim, dtype, device, gated=gated)
         entry = {"chunk_size": best, "seconds": {str(c): s for c, s in timings.items()}}
         _save(key, entry)
     _memo[key] = entry["chunk_size"]
@@ -133,6 +139,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--force", action="store_true", help="measure again even if cached")
+    p.add_argument("--gated", action="store_true", help="tune for gated attention (a log_decay on the state)")
 
 
 def run(args) -> int:
@@ -141,10 +148,10 @@ def run(args) -> int:
     print(f"cache: {cache_file()}")
     print(f"{'T bucket':>9} {'best':>5}  seconds per forward+backward by chunk size")
     for T in args.T:
-        key = cache_key(args.device, dtype, args.head_dim, F, T)
+        key = cache_key(args.device, dtype, args.head_dim, F, T, args.gated)
         entry = None if args.force else _load().get(key)
         if entry is None:
-            best, timings = tune_chunk_size(T, args.head_dim, F, dtype, args.device)
+            best, timings = tune_chunk_size(T, args.head_dim, F, dtype, args.device, gated=args.gated)
             entry = {"chunk_size": best, "seconds": {str(c): s for c, s in timings.items()}}
             _save(key, entry)
             _memo[key] = best

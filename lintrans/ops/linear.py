@@ -374,7 +374,7 @@ def linear_attention(
     if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
         from lintrans.bench.tune import auto_chunk_size
 
-        chunk_size = auto_chunk_size(T, Dv, Fd, dtype, q.device)
+        chunk_size = auto_chunk_size(T, Dv, Fd, dtype, q.device, gated=log_decay is not None)
     if initial_state is None:
         S0 = torch.zeros(B, H, Fd, Dv + 1, dtype=dtype, device=q.device)
     else:

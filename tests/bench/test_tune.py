@@ -15,8 +15,8 @@ def counted(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "_memo", {})
     calls = []
 
-    def fake(chunk, fq, fk, v, S0, repeats=3):
-        calls.append(chunk)
+    def fake(chunk, fq, fk, v, S0, repeats=3, ld=None):
+        calls.append(chunk if ld is None else ("gated", chunk))
         return abs(chunk - 32) + 1.0
 
     monkeypatch.setattr(tune, "measure_candidate", fake)
@@ -79,3 +79,20 @@ def test_invalid_chunk_size_rejected(bad, err):
 def test_real_measurement_picks_a_candidate():
     best, timings = tune.tune_chunk_size(64, 4, 4, candidates=(16, 32), repeats=1)
     assert best in (16, 32) and set(timings) == {16, 32} and all(t > 0 for t in timings.values())
+
+
+def test_gated_calls_tune_their_own_entry(counted, tmp_path):
+    q, k, v = _qkv(100)
+    ld = -torch.rand(1, 100, 2)
+    linear_attention(q, k, v, chunk_size="auto")
+    o_auto, _ = linear_attention(q, k, v, chunk_size="auto", log_decay=ld)
+    assert counted == [32, 64, 128, ("gated", 32), ("gated", 64), ("gated", 128)]
+    torch.testing.assert_close(o_auto, linear_attention(q, k, v, chunk_size=32, log_decay=ld)[0])
+    keys = list(json.loads((tmp_path / "chunk_size.json").read_text()))
+    assert len(keys) == 2 and sum(k.endswith("|gated") for k in keys) == 1
+
+
+def test_real_gated_measurement_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    best, timings = tune.tune_chunk_size(64, 4, 4, repeats=1, gated=True)
+    assert best in timings and set(timings) == {32, 64}
