@@ -149,25 +149,16 @@ def train_lm(spec: dict, env: study.RunEnv):
     return model, out
 
 
-def _units(spec: dict) -> int:
-    return spec["steps"]
-
-
 def _final(result: dict):
     return result["final_val_loss"]
 
 
 def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME)
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
     token_data(s["source"])  # tokenise (cached) once here, not in every worker
-    mechs = s["mechanisms"]
-    sweep = study.lr_sweep(
-        runner, {m: [run_spec(s, m, s["sweep_context"], lr, 0) for lr in s["lrs"]] for m in mechs}, _final)
-    grid = [(m, T, seed) for m in mechs for T in s["contexts"] for seed in range(s["seeds"])]
-    specs = [run_spec(s, m, T, sweep["chosen"][m], seed) for m, T, seed in grid]
-    results = runner.run(specs)
-    runs = [{"attention": m, "context": T, "seed": seed, "lr": spec["lr"], "key": study.run_key(spec), **r}
-            for (m, T, seed), spec, r in zip(grid, specs, results)]
+    sweep, runs = study.sweep_and_seeds(
+        runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["contexts"], sweep_point=s["sweep_context"],
+        spec_for=lambda m, T, lr, seed: run_spec(s, m, T, lr, seed), score=_final, fields=lambda T: {"context": T})
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs),
             "runs_trained": runner.trained}
 

@@ -247,21 +247,15 @@ def _final_tuned(result: dict):
 def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
     runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME)
     context.token_data(s["source"])
-    t_sweep = study.lr_sweep(runner, {"teacher": [teacher_spec(s, lr, 0) for lr in s["teacher_lrs"]]},
-                             _final_teacher)
-    teachers = [teacher_spec(s, t_sweep["chosen"]["teacher"], seed) for seed in range(s["seeds"])]
-    teacher_results = runner.run(teachers)
-    sweep = study.lr_sweep(runner, {m: [map_spec(s, teachers[0], m, lr) for lr in s["lrs"]] for m in s["maps"]},
-                           _final_tuned)
-    grid = [(m, seed) for m in s["maps"] for seed in range(s["seeds"])]
-    specs = [map_spec(s, teachers[seed], m, sweep["chosen"][m]) for m, seed in grid]
-    results = runner.run(specs)
-    runs = [{"map": m, "seed": seed, "lr": spec["lr"], "key": study.run_key(spec), **r}
-            for (m, seed), spec, r in zip(grid, specs, results)]
-    teacher_runs = [{"seed": seed, "lr": spec["lr"], "key": study.run_key(spec), **r}
-                    for seed, (spec, r) in enumerate(zip(teachers, teacher_results))]
-    return {"settings": s, "teacher_sweep": t_sweep, "sweep": sweep, "teachers": teacher_runs, "runs": runs,
-            "summary": summarize(s, teacher_runs, runs), "runs_trained": runner.trained}
+    teacher_sweep, teachers = study.sweep_and_seeds(
+        runner, ["teacher"], lrs=s["teacher_lrs"], seeds=s["seeds"], score=_final_teacher, name="role",
+        spec_for=lambda _, __, lr, seed: teacher_spec(s, lr, seed))
+    specs = [teacher_spec(s, t["lr"], t["seed"]) for t in teachers]
+    sweep, runs = study.sweep_and_seeds(
+        runner, s["maps"], lrs=s["lrs"], seeds=s["seeds"], score=_final_tuned, name="map",
+        spec_for=lambda m, _, lr, seed: map_spec(s, specs[seed], m, lr))
+    return {"settings": s, "teacher_sweep": teacher_sweep, "sweep": sweep, "teachers": teachers, "runs": runs,
+            "summary": summarize(s, teachers, runs), "runs_trained": runner.trained}
 
 
 def recovered(l_base: float, l_teacher: float, loss):

@@ -129,24 +129,16 @@ def run(spec: dict, env: study.RunEnv) -> dict:
     return out
 
 
-def _units(spec: dict) -> int:
-    return spec["steps"]
-
-
 def _final(result: dict):
     return result["final_loss"]
 
 
 def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME)
-    mechs = s["mechanisms"]
-    sweep = study.lr_sweep(runner, {m: [run_spec(s, m, s["sweep_shape"], lr, 0) for lr in s["lrs"]]
-                                    for m in mechs}, _final)
-    grid = [(m, shape, seed) for m in mechs for shape in s["shapes"] for seed in range(s["seeds"])]
-    specs = [run_spec(s, m, shape, sweep["chosen"][m], seed) for m, shape, seed in grid]
-    results = runner.run(specs)
-    runs = [{"attention": m, "width": shape[0], "heads": shape[1], "seed": seed, "lr": spec["lr"],
-             "key": study.run_key(spec), **r} for (m, shape, seed), spec, r in zip(grid, specs, results)]
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
+    sweep, runs = study.sweep_and_seeds(
+        runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["shapes"], sweep_point=s["sweep_shape"],
+        spec_for=lambda m, shape, lr, seed: run_spec(s, m, shape, lr, seed), score=_final,
+        fields=lambda shape: {"width": shape[0], "heads": shape[1]})
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs), "runs_trained": runner.trained}
 
 

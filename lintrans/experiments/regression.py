@@ -138,23 +138,14 @@ def baselines(s: dict, seed: int) -> dict:
         ("3-nearest-neighbours", nearest_neighbour_errors), ("zero", lambda x, y: y.double() ** 2))}
 
 
-def _units(spec: dict) -> int:
-    return spec["steps"]
-
-
 def _final(result: dict):
     return result["error"]
 
 
 def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME)
-    mechs = s["mechanisms"]
-    sweep = study.lr_sweep(runner, {m: [run_spec(s, m, lr, 0) for lr in s["lrs"]] for m in mechs}, _final)
-    grid = [(m, seed) for m in mechs for seed in range(s["seeds"])]
-    specs = [run_spec(s, m, sweep["chosen"][m], seed) for m, seed in grid]
-    results = runner.run(specs)
-    runs = [{"attention": m, "seed": seed, "lr": spec["lr"], "key": study.run_key(spec), **r}
-            for (m, seed), spec, r in zip(grid, specs, results)]
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
+    sweep, runs = study.sweep_and_seeds(runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], score=_final,
+                                        spec_for=lambda m, _, lr, seed: run_spec(s, m, lr, seed))
     # baselines per seed, each on that seed's held-out set, then spread like the models
     per_seed = [baselines(s, seed) for seed in range(s["seeds"])]
     base = {b: study.spread_curves([p[b] for p in per_seed]) for b in per_seed[0]}

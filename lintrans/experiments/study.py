@@ -147,7 +147,7 @@ class Runner:
     counting ``units(spec)`` (training steps) per run."""
 
     def __init__(self, fn_name: str, out, *, jobs: int = 1, progress: bool = True,
-                 units: Callable[[dict], int] = lambda spec: 1, desc: str = ""):
+                 units: Callable[[dict], int] = lambda spec: spec.get("steps", 1), desc: str = ""):
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
             raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
         self.fn_name, self.store, self.jobs = fn_name, RunStore(out), jobs
@@ -232,6 +232,23 @@ def lr_sweep(runner: Runner, specs: dict, score: Callable[[dict], Optional[float
             raise RuntimeError(f"every learning rate of the sweep diverged for {mech!r}: {[r['lr'] for r in rows]}")
         chosen[mech] = min(ok, key=lambda r: r["score"])["lr"]
     return {"chosen": chosen, "table": table}
+
+
+def sweep_and_seeds(runner: Runner, mechanisms: list, *, lrs: list, seeds: int, spec_for: Callable,
+                    score: Callable, points: list = (None,), sweep_point=None, name: str = "attention",
+                    fields: Callable = lambda point: {}) -> tuple[dict, list]:
+    """The two phases of a study. ``spec_for(mechanism, point, lr, seed)`` is a run's spec.
+
+    1. ``lr_sweep`` of every mechanism over ``lrs`` at ``sweep_point``, seed 0;
+    2. every mechanism at every point of ``points`` with seeds 0..seeds-1 at its chosen rate.
+    Returns (sweep, runs); each run is {name: mechanism, **fields(point), seed, lr, key, **result}.
+    """
+    sweep = lr_sweep(runner, {m: [spec_for(m, sweep_point, lr, 0) for lr in lrs] for m in mechanisms}, score)
+    grid = [(m, p, seed) for m in mechanisms for p in points for seed in range(seeds)]
+    specs = [spec_for(m, p, sweep["chosen"][m], seed) for m, p, seed in grid]
+    runs = [{name: m, **fields(p), "seed": seed, "lr": spec["lr"], "key": run_key(spec), **result}
+            for (m, p, seed), spec, result in zip(grid, specs, runner.run(specs))]
+    return sweep, runs
 
 
 def spread(values) -> dict:
