@@ -46,10 +46,12 @@ def parse_attention(spec: str) -> tuple[str, dict]:
 
 
 def gpt_config(spec: str, *, linear_form: str = "chunked", **fields) -> GPTConfig:
-    """The GPTConfig of an attention spec; linear attention gets ``linear_form`` unless the spec sets
-    a form. Building the model once checks the options (a bad spec fails before any training)."""
+    """The GPTConfig of an attention spec; mechanisms with a linear-attention ``form`` get
+    ``linear_form`` unless the spec sets one. Building the model once checks the options (a bad spec fails before any training)."""
+    from lintrans.nn.registry import get_attention
+
     name, options = parse_attention(spec)
-    if name == "linear":
+    if "form" in getattr(get_attention(name), "DEFAULTS", {}):  # linear attention and its gated kin
         options.setdefault("form", linear_form)
     config = GPTConfig(dropout=0.0, attention=name, attention_options=options, **fields)
     return config
