@@ -8,7 +8,7 @@ curriculum as in Garg et al.: the first ``curriculum`` of the steps grow the act
 then every batch is full size. Held-out sequences are full size with ``eval_points`` points, more
 than trained on: the error at k >= ``points`` examples is extrapolation. No mechanism has position
 embeddings (``pos_embedding="none"``), so every one runs at any length; the causal mask still tells
-softmax the order. Baselines on the same held-out data: least squares, averaging
+softmax the order, and one extra input (1 on y tokens, 0 on x tokens) tells the two kinds apart. Baselines on the same held-out data: least squares, averaging
 (w_hat = mean y_i x_i) and 3-nearest-neighbours.
 
 Budget: ``docs/experiments.md`` and the settings below.
@@ -102,7 +102,11 @@ def _batch(spec: dict, n: int, dims: int, points: int, generator: torch.Generato
 
 
 def _errors(model, xs, ys, dims: int) -> torch.Tensor:
-    pred = model(regression_tokens(xs, ys))[:, ::2, 0]  # [B,P] read at the x positions
+    seq = regression_tokens(xs, ys)  # [B,2P-1,n]
+    # one more input: 1 on y tokens, 0 on x tokens; without positions it is what tells them apart
+    kind = torch.zeros_like(seq[..., :1])
+    kind[:, 1::2] = 1.0
+    pred = model(torch.cat([seq, kind], dim=-1))[:, ::2, 0]  # [B,P] read at the x positions
     return (pred - ys) ** 2 / dims
 
 
@@ -110,7 +114,7 @@ def run(spec: dict, env: study.RunEnv) -> dict:
     # linear attention in its quadratic form: the same function, fastest at these lengths
     config = gpt_config(spec["attention"], linear_form="attention", **_fields(spec))
     torch.manual_seed(spec["seed"])
-    model = VectorGPT(config, in_dim=spec["dim"])
+    model = VectorGPT(config, in_dim=spec["dim"] + 1)
     gen = torch.Generator().manual_seed(spec["seed"])
     held_out = _batch(spec, spec["eval_batch"], spec["dim"], spec["eval_points"],
                       torch.Generator().manual_seed(10_000 + spec["seed"]))
