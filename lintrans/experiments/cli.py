@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"lintrans experiment: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"lintrans experiment: interrupted; finished runs are kept in {out / 'runs'}, "
+              "the same command resumes", file=sys.stderr)
+        return 130
     trained = record.pop("runs_trained", None)
     if not args.plot_only:
         record = json.loads(write_record(out, args.study, record).read_text())

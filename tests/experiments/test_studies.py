@@ -97,6 +97,18 @@ def test_parallel_jobs_give_the_same_results(tmp_path, capsys):
     assert a["sweep"]["chosen"] == b["sweep"]["chosen"]
 
 
+def test_a_stopped_study_redoes_only_the_missing_runs(tmp_path, capsys):
+    args = ["--mechanisms", "softmax", "--set", "contexts=[32]", "--set", "steps=2"]
+    assert run_cli("context", tmp_path, *args) == 0
+    done = sorted((tmp_path / "runs").glob("*.json"))
+    for p in done[:2]:  # as if the study had been killed before these two finished
+        p.unlink()
+    capsys.readouterr()
+    assert run_cli("context", tmp_path, *args) == 0
+    assert trained(capsys.readouterr().out) == 2
+    assert sorted((tmp_path / "runs").glob("*.json")) == done
+
+
 def test_plot_only_redraws(tmp_path, capsys):
     assert run_cli("context", tmp_path, "--mechanisms", "softmax", "--seeds", "1", "--set", "contexts=[32]",
                    "--set", "steps=2") == 0
