@@ -10,6 +10,8 @@ import importlib
 import os
 import sys
 
+from . import __version__
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lintrans.bench.demo", "the main job: quick benchmark profile with a headline"),
@@ -33,10 +35,12 @@ def _load(name: str):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lintrans", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lintrans", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"lintrans {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        # allow_abbrev=False: a misspelt or shortened flag (--train.max_st) is an error, not a guess
+        p = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         if only == name:
             mod = _load(name)
             if mod is not None:

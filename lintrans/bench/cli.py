@@ -52,7 +52,7 @@ def profiles() -> dict[str, Profile]:
         ),
         "full": Profile(
             ops_T=powers_of_two(256, 65536), train_T=powers_of_two(256, 32768), generate_T=powers_of_two(256, 16384),
-            sizes=("4L-128", "6L-384", "12L-768 (GPT-2 124M)"), forms=LINEAR_FORMS, caps=Caps(time_s=60.0, repeats=5, budget_s=10.0),
+            sizes=("4L-128", "6L-384", "12L-768"), forms=LINEAR_FORMS, caps=Caps(time_s=60.0, repeats=5, budget_s=10.0),
         ),
     }
 
@@ -190,6 +190,19 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
 def build_profile(args) -> Profile:
     prof = profiles()[args.profile]
+    if args.max_T is not None and args.max_T < 256:
+        raise SystemExit(f"lintrans bench: --max-T must be >= 256 (the shortest context measured), got {args.max_T}")
+    for flag in ("time_cap", "memory_cap_gb", "threads"):
+        value = getattr(args, flag, None)
+        if value is not None and not value > 0:
+            raise SystemExit(f"lintrans bench: --{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.ops:
+        from .ops import op_series, select_series
+
+        try:
+            select_series(op_series(64), args.ops)
+        except ValueError as e:
+            raise SystemExit(f"lintrans bench: --ops: {e}")
     if args.max_T:
         prof.ops_T = powers_of_two(256, args.max_T)
         prof.train_T = powers_of_two(256, args.max_T)
@@ -199,12 +212,14 @@ def build_profile(args) -> Profile:
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2
     prof.caps.memory_bytes = int(mem) or None
     prof.ops_only = args.ops
-    from .sizes import SIZES
+    from .sizes import resolve_size
     from .train import LINEAR_FORMS
 
-    for name in getattr(args, "sizes", None) or ():
-        if name not in SIZES:
-            raise SystemExit(f"lintrans bench: --sizes must be among {list(SIZES)}, got {name!r}")
+    if getattr(args, "sizes", None):
+        try:
+            args.sizes = [resolve_size(name, "--sizes") for name in args.sizes]
+        except ValueError as e:
+            raise SystemExit(f"lintrans bench: {e}")
     for form in getattr(args, "forms", None) or ():
         if form not in LINEAR_FORMS:
             raise SystemExit(f"lintrans bench: --forms must be among {list(LINEAR_FORMS)}, got {form!r}")

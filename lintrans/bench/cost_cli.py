@@ -3,21 +3,25 @@ against recurrent state, arithmetic intensity and (given a measured step time) M
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 
 from .cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
     speedup_bounds, training_flops,
 )
-from .sizes import SIZES, VOCAB
+from .sizes import SIZES, VOCAB, resolve_size
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", choices=list(SIZES), default=None, help="a benchmark model size (sets the next three)")
+    p.add_argument("--size", default=None, help=f"a benchmark model size, one of {list(SIZES)} (sets the next three)")
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--n-kv-head", type=int, default=None)
     p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--block-size", type=int, default=1024,
+                   help="learned positions the model has (GPT-2: 1024); longer --T only adds their count separately")
     p.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu")
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384], help="context lengths")
     p.add_argument("--batch", type=int, default=1)
@@ -45,21 +49,54 @@ def _b(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def run(args) -> int:
+def _check(args) -> None:
+    """ValueError naming the first bad flag."""
     if args.size:
-        args.n_layer, args.n_head, args.n_embd = SIZES[args.size]
+        args.n_layer, args.n_head, args.n_embd = SIZES[resolve_size(args.size)]
+    for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.n_embd % args.n_head:
+        raise ValueError(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
+    if args.n_kv_head is not None and (args.n_kv_head < 1 or args.n_head % args.n_kv_head):
+        raise ValueError(f"--n-kv-head must be >= 1 and divide --n-head ({args.n_head}), got {args.n_kv_head}")
+    if min(args.T) < 1:
+        raise ValueError(f"--T must be >= 1, got {args.T}")
+    for flag in ("step_time", "linear_step_time"):
+        times = getattr(args, flag)
+        if times is None:
+            continue
+        if len(times) != len(args.T):
+            raise ValueError(f"--{flag.replace('_', '-')} needs one time per --T ({len(args.T)}), got {len(times)}")
+        if not all(math.isfinite(t) and t > 0 for t in times):
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive seconds, got {times}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+
+
+def run(args) -> int:
     from .tune import feature_dim_of
 
+    try:
+        _check(args)
+        F = feature_dim_of(args.feature_map, args.n_embd // args.n_head)
+    except (ValueError, TypeError) as e:
+        print(f"lintrans cost: {e}", file=sys.stderr)
+        return 2
     common = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab,
-                  block_size=max(args.T), n_kv_head=args.n_kv_head, mlp=args.mlp)
+                  block_size=args.block_size, n_kv_head=args.n_kv_head, mlp=args.mlp)
     soft = ModelShape(**common, attention="softmax")
     lin = ModelShape(**common, attention="linear", form=args.form, chunk_size=args.chunk_size,
-                     feature_dim=feature_dim_of(args.feature_map, args.n_embd // args.n_head))
+                     feature_dim=F)
     print(f"model: L={args.n_layer} N={args.n_head} D={args.n_embd} h={soft.head_dim} V={args.vocab} "
           f"mlp={args.mlp}; linear: {args.form}, c={args.chunk_size}, {args.feature_map} (F={lin.F}); B={args.batch}")
     print("\nparameters:")
     for k, v in parameters(soft).items():
         print(f"  {k:<24}{v:>14,}")
+    longest = max(args.T)
+    if longest > args.block_size:
+        print(f"  (learned positions for T = {longest} would add {(longest - args.block_size) * args.n_embd:,} "
+              f"parameters to the {args.block_size} the model has)")
     B = args.batch
     for T in args.T:
         fs, fl = training_flops(soft, T, B), training_flops(lin, T, B)
@@ -95,5 +132,8 @@ def run(args) -> int:
         for name, shape, times in (("softmax", soft, args.step_time), ("linear", lin, args.linear_step_time)):
             for T, t in zip(args.T, times or []):
                 f = training_flops(shape, T, B)["total"]
-                print(f"  {name} T={T}: {_g(f / t)}FLOP/s achieved, MFU {100 * mfu(f, t, peak):.1f}%")
+                u = mfu(f, t, peak)
+                print(f"  {name} T={T}: {_g(f / t)}FLOP/s achieved, MFU {100 * u:.1f}%"
+                      + ("  <- above 100%: this step time cannot come from a machine with this peak (was it "
+                         "measured elsewhere? pass that machine's --peak-tflops)" if u > 1 else ""))
     return 0

@@ -46,10 +46,12 @@ def _say(name: str, s: dict, verb: str) -> None:
 
 def run(args) -> int:
     from .cli import powers_of_two, profiles, run_benchmark
-    from .sizes import SIZES
+    from .sizes import resolve_size
 
-    if args.size not in SIZES:
-        raise SystemExit(f"lintrans demo: --size must be one of {list(SIZES)}, got {args.size!r}")
+    try:
+        args.size = resolve_size(args.size)
+    except ValueError as e:
+        raise SystemExit(f"lintrans demo: {e}")
     t0 = time.perf_counter()
     prof = profiles()["quick"]
     prof.caps.time_s = args.time_cap

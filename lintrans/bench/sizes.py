@@ -9,8 +9,20 @@ SIZES = {
     "6L-384": (6, 6, 384),
     # attention-heavy: deep and narrow, so the T^2 term outweighs the 50257-wide LM head sooner
     "12L-256": (12, 4, 256),
-    "12L-768 (GPT-2 124M)": (12, 12, 768),
+    "12L-768": (12, 12, 768),  # GPT-2 124M
     # attention-dominated: the no-mixing bound grows with L T / V, so depth is what lets the
     # attention term outgrow the LM head at batch 1 (lintrans cost: 7.3x at 16k, 12L-128 3.9x)
     "48L-128": (48, 2, 128),
 }
+
+# other names accepted for a size (the long label is what older records and commands used)
+ALIASES = {"12L-768 (GPT-2 124M)": "12L-768", "gpt2": "12L-768"}
+
+
+def resolve_size(name: str, flag: str = "--size") -> str:
+    """The canonical size name for ``name`` (a key of SIZES or an alias); ValueError naming ``flag``."""
+    if name in SIZES:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    raise ValueError(f"{flag} must be one of {list(SIZES)} (or {list(ALIASES)}), got {name!r}")

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 import torch
 
@@ -144,7 +145,15 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     dtype = getattr(torch, args.dtype)
-    F = feature_dim_of(args.feature_map, args.head_dim)
+    if min(args.T) < 1 or args.head_dim < 1:
+        print(f"lintrans tune: --T and --head-dim must be >= 1, got --T {args.T} --head-dim {args.head_dim}",
+              file=sys.stderr)
+        return 2
+    try:
+        F = feature_dim_of(args.feature_map, args.head_dim)
+    except (ValueError, TypeError) as e:
+        print(f"lintrans tune: --feature-map: {e}", file=sys.stderr)
+        return 2
     print(f"cache: {cache_file()}")
     print(f"{'T bucket':>9} {'best':>5}  seconds per forward+backward by chunk size")
     for T in args.T:

@@ -9,7 +9,7 @@ from .aft import (
     aft_window_step,
 )
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from .feature_maps import FEATURE_MAPS, resolve_feature_map
+from .feature_maps import FEATURE_MAPS, feature_dim_for, resolve_feature_map
 from .linear import FORMS, linear_attention, linear_attention_reference, linear_attention_step
 from .sliding_window import (
     sliding_window_attention,
@@ -29,6 +29,7 @@ __all__ = [
     "aft_window_state",
     "aft_window_step",
     "FEATURE_MAPS",
+    "feature_dim_for",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "FORMS",

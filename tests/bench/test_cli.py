@@ -1,6 +1,8 @@
 """The bench subcommands parse and run end to end on tiny settings (nothing is timed or asserted on time)."""
 import json
 
+import pytest
+
 from lintrans.bench import tune
 from lintrans.cli import main
 
@@ -80,3 +82,63 @@ def test_bench_rejects_unknown_mechanism():
 
     with pytest.raises(SystemExit, match="--mechanisms must be among"):
         main(["bench", "train", "--mechanisms", "linear"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["cost", "--T", "0"], "--T must be >= 1"),
+    (["cost", "--T", "-5"], "--T must be >= 1"),
+    (["cost", "--n-embd", "100", "--n-head", "3"], "--n-embd (100) must be divisible by --n-head (3)"),
+    (["cost", "--T", "1024", "4096", "--step-time", "0.5"], "--step-time needs one time per --T (2), got 1"),
+    (["cost", "--step-time", "0", "--T", "64"], "--step-time must be positive"),
+    (["cost", "--feature-map", "nope"], "feature_map must be one of"),
+    (["cost", "--size", "nope"], "--size must be one of"),
+    (["tune", "--T", "-1"], "--T and --head-dim must be >= 1"),
+    (["tune", "--feature-map", "nope"], "--feature-map: feature_map must be one of"),
+])
+def test_bad_cost_and_tune_arguments_give_one_line_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "ops", "--ops", "nope"], "--ops: unknown op series ['nope']"),
+    (["bench", "ops", "--max-T", "0"], "--max-T must be >= 256"),
+    (["bench", "ops", "--max-T", "-256"], "--max-T must be >= 256"),
+    (["bench", "ops", "--max-T", "100"], "--max-T must be >= 256"),
+    (["bench", "ops", "--time-cap", "-1"], "--time-cap must be > 0"),
+    (["bench", "train", "--sizes", "nope"], "--sizes must be one of"),
+])
+def test_bad_bench_arguments_exit_before_measuring(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert message in str(e.value)
+
+
+def test_cost_reports_the_models_own_parameter_count(capsys):
+    # GPT-2 124M stays 124M however long a --T is asked for; longer positions are reported apart
+    assert main(["cost", "--size", "12L-768", "--T", "1024", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out and "would add 11,796,480" in out
+
+
+def test_cost_flags_an_impossible_mfu(capsys):
+    assert main(["cost", "--size", "12L-768", "--T", "1024", "--step-time", "0.001", "--peak-tflops", "1"]) == 0
+    assert "above 100%" in capsys.readouterr().out
+
+
+def test_size_names_short_and_long(capsys):
+    from lintrans.bench.sizes import resolve_size
+
+    assert resolve_size("12L-768") == resolve_size("12L-768 (GPT-2 124M)") == "12L-768"
+    with pytest.raises(ValueError, match="--size must be one of"):
+        resolve_size("12L-769")
+
+
+def test_abbreviated_flags_are_rejected_and_version_is_printed(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--train.max_st", "3", "--print-config"])
+    assert "unrecognized arguments: --train.max_st" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("lintrans ")

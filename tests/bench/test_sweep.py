@@ -178,4 +178,4 @@ def test_run_train_bounds_the_floor_by_softmax(monkeypatch):
     assert floor.within == "4L-128 softmax (SDPA)" and floor.measure_memory is False
     assert by_name["4L-128 linear chunked"].within is None and by_name["4L-128 linear chunked"].measure_memory
     assert seen["together"] is True
-    assert train._fits_together("12L-768 (GPT-2 124M)", 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s
+    assert train._fits_together("12L-768", 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s

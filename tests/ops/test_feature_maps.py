@@ -185,3 +185,9 @@ def test_based_keeps_input_dtype():
     x = torch.randn(3, 4, dtype=torch.float64)
     assert based(x).dtype == torch.float64
     assert based(x.float()).dtype == torch.float32
+
+
+def test_feature_dim_for_is_exported_with_the_ops():
+    import lintrans.ops
+
+    assert lintrans.ops.feature_dim_for is feature_dim_for and "feature_dim_for" in lintrans.ops.__all__
