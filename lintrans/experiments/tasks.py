@@ -71,7 +71,9 @@ def recall_batch(
         raise ValueError(f"n_pairs ({n_pairs}) must be <= n_keys ({n_keys}): keys in a sequence are distinct")
     if n_queries > n_pairs:
         raise ValueError(f"n_queries ({n_queries}) must be <= n_pairs ({n_pairs}): each pair is queried at most once")
-    keys = torch.rand(batch, n_keys, generator=generator).argsort(dim=1)[:, :n_pairs]  # [B,P]
+    # the P largest of n_keys uniform draws: a uniform random subset in random order (topk, unlike a
+    # full argsort, does not sort all n_keys)
+    keys = torch.rand(batch, n_keys, generator=generator).topk(n_pairs, dim=1).indices  # [B,P]
     values = n_keys + torch.randint(n_values, (batch, n_pairs), generator=generator)  # [B,P]
     which = torch.rand(batch, n_pairs, generator=generator).argsort(dim=1)[:, :n_queries]  # [B,Q]
     q_keys, answers = keys.gather(1, which), values.gather(1, which)  # [B,Q]
