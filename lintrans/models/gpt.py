@@ -222,27 +222,39 @@ class GPT(nn.Module):
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
     ) -> Iterator[torch.Tensor]:
-        """Yield each new token [B, 1] as it is produced (prefill once, then one step per token)."""
+        """Yield each new token [B, 1] as it is produced (prefill once, then one step per token).
+
+        With learned positions a model has no position past ``block_size - 1``; once the sequence
+        would outgrow it, each next token is predicted from the last ``block_size`` tokens alone
+        (a fresh prefill of that window per token), as nanoGPT's ``generate`` crops its context.
+        Without learned positions (``pos_embedding="none"``) nothing is cropped: recurrent
+        mechanisms keep their constant-size state and softmax its growing cache.
+        """
         from .generate import check_sampling, sample_next
 
         check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-        if self.config.pos_embedding == "learned" and idx.shape[-1] + max_new_tokens - 1 > self.config.block_size:
-            raise ValueError(
-                f"prompt length {idx.shape[-1]} + max_new_tokens {max_new_tokens} needs "
-                f"{idx.shape[-1] + max_new_tokens - 1} positions but block_size is {self.config.block_size} "
-                "(learned position embeddings)"
-            )
+        window = self.config.block_size if self.config.pos_embedding == "learned" else None
         generator = None
         if seed is not None:
             generator = torch.Generator(device=idx.device).manual_seed(seed)
         was_training = self.training
         self.eval()
         try:
+            if window is not None and idx.shape[1] > window:
+                idx = idx[:, -window:]  # a prompt longer than the model's positions: its last window
             logits, cache = self.forward_cached(idx, None, last_only=True)
+            tail = idx  # the last `window` tokens, kept only while cropping can happen
             for i in range(max_new_tokens):
                 nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # [B,1]
                 yield nxt
-                if i + 1 < max_new_tokens:
+                if i + 1 == max_new_tokens:
+                    break
+                if window is not None and cache.length + 1 > window:
+                    tail = torch.cat([tail, nxt], dim=1)[:, -window:]  # [B,window]
+                    logits, cache = self.forward_cached(tail, None, last_only=True, check_ids=False)
+                else:
+                    if window is not None:
+                        tail = torch.cat([tail, nxt], dim=1)
                     logits, cache = self.forward_cached(nxt, cache, check_ids=False)
         finally:
             self.train(was_training)

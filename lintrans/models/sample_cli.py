@@ -14,28 +14,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", choices=("gpt2", "bytes"), default=None,
                         help="default: the one a lintrans checkpoint records, else bytes for a 257-token "
                         "vocabulary, else gpt2")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=200,
+                        help="may exceed the block size: with learned positions the context is then cropped "
+                             "to the last block_size tokens, as nanoGPT does")
+    parser.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by ---")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--attention", default=None, help="swap the attention mechanism (e.g. linear); weights kept")
     parser.add_argument("--device", default="cpu")
-
-
-def _tokenizer(name: str):
-    try:
-        from lintrans.train.tokenizer import get_tokenizer
-    except ModuleNotFoundError as e:  # training package not built yet: bytes need nothing
-        if name != "bytes" or e.name not in ("lintrans.train.tokenizer", "lintrans.train"):
-            raise
-        from types import SimpleNamespace
-
-        return SimpleNamespace(
-            vocab_size=257, encode=lambda s: list(s.encode("utf-8")),
-            decode=lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"),
-        )
-    return get_tokenizer(name)
 
 
 def _saved_tokenizer(checkpoint) -> str | None:
@@ -54,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
 
     from .hf import from_pretrained, load_model
 
+    from lintrans.train.distributed import resolve_device
+
+    try:
+        args.device = resolve_device(args.device, what="--device")
+    except ValueError as e:
+        print(f"lintrans sample: {e}", file=sys.stderr)
+        return 2
     overrides = {"attention": args.attention} if args.attention else {}
     try:
         model = from_pretrained(args.hf, **overrides) if args.hf else load_model(args.checkpoint, **overrides)
@@ -64,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.tokenizer or _saved_tokenizer(args.checkpoint) or (
         "bytes" if model.config.vocab_size == 257 and not args.hf else "gpt2"
     )
-    tok = _tokenizer(name)
+    from lintrans.train.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(name)
     if tok.vocab_size > model.config.vocab_size:
         print(f"lintrans sample: tokenizer {name!r} has {tok.vocab_size} tokens but the model only "
               f"{model.config.vocab_size}; pick the tokenizer the model was trained with", file=sys.stderr)
@@ -73,25 +70,45 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
         print("lintrans sample: --prompt must not be empty", file=sys.stderr)
         return 2
+    if args.num_samples < 1:
+        print(f"lintrans sample: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
+        return 2
+    from .generate import check_sampling
+
+    try:  # before anything is printed
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    except (ValueError, TypeError) as e:
+        print(f"lintrans sample: {e}", file=sys.stderr)
+        return 2
     idx = torch.tensor([ids], dtype=torch.long, device=args.device)
     out = sys.stdout
+    for n in range(args.num_samples):
+        if n:
+            out.write("---\n")
+        # each sample its own stream: seed, seed + 1, ... so a seeded run is reproducible sample by sample
+        seed = None if args.seed is None else args.seed + n
+        try:
+            _stream(model, tok, idx, args, seed, out)
+        except ValueError as e:
+            print(f"\nlintrans sample: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _stream(model, tok, idx, args, seed, out) -> None:
+    """Write the prompt and its continuation as it is generated."""
     out.write(args.prompt)
     out.flush()
     # decode the growing tail so multi-byte characters split across tokens print correctly
     pending: list[int] = []
-    try:
-        for nxt in model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed):
-            pending.append(int(nxt[0, 0]))
-            text = tok.decode(pending)
-            if not text.endswith("\ufffd"):
-                out.write(text)
-                out.flush()
-                pending = []
-    except ValueError as e:
-        print(f"\nlintrans sample: {e}", file=sys.stderr)
-        return 2
+    for nxt in model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed):
+        pending.append(int(nxt[0, 0]))
+        text = tok.decode(pending)
+        if not text.endswith("\ufffd"):
+            out.write(text)
+            out.flush()
+            pending = []
     if pending:
         out.write(tok.decode(pending))
     out.write("\n")
     out.flush()
-    return 0

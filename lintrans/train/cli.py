@@ -1,6 +1,7 @@
 """``lintrans train``: config file + overrides -> a (resumable) training run.
 
-    lintrans train --config configs/tiny.toml --set train.max_steps=200
+    lintrans train                                   # the shipped tiny config: a few CPU minutes
+    lintrans train --config tiny --set train.max_steps=200
     lintrans train --config configs/tiny.toml --train.out_dir runs/x --model.attention linear
     torchrun --standalone --nproc_per_node 2 -m lintrans train --config configs/tiny.toml
 """
@@ -15,7 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2]
-    parser.add_argument("--config", "-c", metavar="FILE", help="TOML or YAML config (sections model/data/optim/train)")
+    parser.add_argument("--config", "-c", metavar="FILE", default=None,
+                        help="TOML or YAML config (sections model/data/optim/train), or a shipped config by name: "
+                             "tiny (the default), gpt2-124m")
     parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override one config key, e.g. train.max_steps=500 (repeatable)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -32,8 +35,14 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     overrides += [f"{dest[4:]}={value}" for dest, value in vars(args).items()
                   if dest.startswith("key:") and value is not None]
+    config = args.config
+    if config is None:
+        # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU
+        config = "tiny"
+        print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, bytes, "
+              "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(config, overrides)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"lintrans train: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,9 @@ class TrainConfig:
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _choice("train.precision", self.train.precision, PRECISIONS)
         _choice("train.resume", self.train.resume, RESUME_MODES)
+        for key, value in _flatten(self.to_dict(), "").items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config key {key!r} must be a finite number, got {value}")
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
         for name in ("max_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
@@ -106,11 +110,24 @@ class TrainConfig:
             raise ValueError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
         if self.optim.decay_steps is not None:
             _positive("optim.decay_steps", self.optim.decay_steps)
-        self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
+        gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
+        check_attention(gpt)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model config, with the vocabulary taken from the tokenizer unless set explicitly."""
         return GPTConfig.from_dict({"vocab_size": vocab_size, **self.model})
+
+
+def check_attention(gpt: GPTConfig) -> None:
+    """The attention name and its options, checked the way building the model checks them (one
+    layer built on the meta device: no memory, no time), so --print-config fails like a run."""
+    import torch
+
+    from lintrans.nn.registry import get_attention
+
+    layer = get_attention(gpt.attention)
+    with torch.device("meta"):
+        layer(gpt)
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -250,11 +267,28 @@ def _parse_text_value(text: str):
 # ---- files -----------------------------------------------------------------------------------
 
 
-def read_config_file(path) -> dict:
-    """A TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file as a dict."""
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs that ship inside the package (``--config tiny``)."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.toml"))
+
+
+def resolve_config_path(path) -> Path:
+    """A config file path, or the name of a shipped config (``tiny``, ``gpt2-124m``)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
+    if path.is_file():
+        return path
+    if path.parent == Path(".") and (SHIPPED_CONFIGS / f"{path.stem}.toml").is_file() and path.suffix in ("", ".toml"):
+        return SHIPPED_CONFIGS / f"{path.stem}.toml"
+    raise FileNotFoundError(f"config file {path} does not exist (shipped configs, usable by name: "
+                            f"{shipped_configs()})")
+
+
+def read_config_file(path) -> dict:
+    """A TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file as a dict; or a shipped config's name."""
+    path = resolve_config_path(path)
     text = path.read_text()
     if path.suffix == ".toml":
         try:

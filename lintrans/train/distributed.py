@@ -24,7 +24,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0, what: str = "train.device") -> torch.device:
+    """``name`` (auto, cpu, cuda, cuda:N, mps) as a usable device; ValueError naming ``what`` if not."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank)
@@ -32,14 +33,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"train.device must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
+        raise ValueError(f"{what} must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"train.device is {name!r} but no CUDA device is available")
+            raise ValueError(f"{what} is {name!r} but no CUDA device is available")
         if device.index is None:
             device = torch.device("cuda", local_rank)
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("train.device is 'mps' but MPS is not available")
+        raise ValueError(f"{what} is 'mps' but MPS is not available")
     return device
 
 

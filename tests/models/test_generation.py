@@ -142,9 +142,6 @@ def test_generation_restores_training_mode_and_ignores_dropout():
 def test_generation_bad_input():
     model = GPT(tiny())
     prompt = torch.randint(0, 53, (1, 60))
-    with pytest.raises(ValueError, match="block_size is 64"):
-        model.generate(prompt, 6)
-    assert model.generate(prompt, 5, temperature=0).shape == (1, 65)  # the last token needs no position
     for kw, match in (
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(max_new_tokens=2, temperature=-1), "temperature"),
@@ -153,3 +150,32 @@ def test_generation_bad_input():
     ):
         with pytest.raises(ValueError, match=match):
             model.generate(prompt[:, :3], **kw)
+
+
+def nanogpt_greedy(model, idx, n):
+    """nanoGPT's generate, greedy: full forward over the last block_size tokens for every token."""
+    for _ in range(n):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear", "gated-linear", "sliding-window"])
+@pytest.mark.parametrize("prompt_len", [5, 70])  # shorter and longer than the block size
+def test_generation_past_block_size_crops_like_nanogpt(attention, prompt_len):
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(attention=attention))).eval()  # block_size 64, learned positions
+    prompt = torch.randint(0, 53, (2, prompt_len))
+    out = model.generate(prompt, 80, temperature=0)
+    assert out.shape == (2, prompt_len + 80)
+    assert torch.equal(out, nanogpt_greedy(model, prompt, 80))
+
+
+@pytest.mark.parametrize("attention", ["linear", "gated-linear"])
+def test_generation_without_positions_keeps_the_recurrent_state(attention):
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(attention=attention, pos_embedding="none"))).eval()
+    prompt = torch.randint(0, 53, (1, 10))
+    out = model.generate(prompt, 100, temperature=0)  # 110 > block_size 64: nothing cropped
+    logits, _ = model(out[:, :-1])  # the whole sequence in one forward: no position limit
+    assert torch.equal(out[:, 10:], logits[:, 9:].argmax(-1))

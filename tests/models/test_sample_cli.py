@@ -39,8 +39,18 @@ def test_sample_bad_input(byte_checkpoint, tmp_path, capsys):
     assert "no checkpoint at" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(path), "--tokenizer", "gpt2", "--prompt", "hi"]) == 2
     assert "tokenizer 'gpt2' has 50257 tokens" in capsys.readouterr().err
-    assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "200", "--prompt", "x"]) == 2
-    assert "block_size is 64" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "0"]) == 2
+    assert "max_new_tokens must be an int >= 1" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(path), "--num-samples", "0"]) == 2
+    assert "--num-samples must be >= 1" in capsys.readouterr().err
+
+
+def test_sample_past_the_block_size_and_several_samples(byte_checkpoint, capsys):
+    path, _ = byte_checkpoint  # block_size 64: 200 new tokens need the context cropped
+    assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "200", "--prompt", "x",
+                 "--num-samples", "2", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n---\n") == 1  # two samples, one separator
 
 
 def test_sample_uses_the_tokenizer_the_checkpoint_records(tmp_path, capsys):
@@ -50,3 +60,12 @@ def test_sample_uses_the_tokenizer_the_checkpoint_records(tmp_path, capsys):
                  "--temperature", "0"]) == 0
     ids = model.generate(torch.tensor([list(b"hi")]), 3, temperature=0)[0].tolist()
     assert capsys.readouterr().out == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace") + "\n"
+
+
+def test_sample_on_a_missing_device_is_one_line(byte_checkpoint, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path, _ = byte_checkpoint
+    assert main(["sample", "--checkpoint", str(path), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device is 'cuda' but no CUDA device is available" in err and "Traceback" not in err

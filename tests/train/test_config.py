@@ -93,3 +93,29 @@ def test_cli_reports_config_errors(capsys, tmp_path):
     assert main(["train", "--train.max_steps", "9", "--set", "model.n_layer=2", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "max_steps: 9" in out and "n_layer: 2" in out
+
+
+def test_bare_train_uses_the_shipped_tiny_config_and_configs_load_by_name(capsys):
+    from lintrans.train.config import shipped_configs
+
+    assert {"tiny", "gpt2-124m"} <= set(shipped_configs())
+    assert main(["train", "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert "using the shipped 'tiny' config" in captured.err and "n_embd: 128" in captured.out
+    assert main(["train", "--config", "gpt2-124m", "--print-config"]) == 0
+    assert "n_embd: 768" in capsys.readouterr().out
+    assert main(["train", "--config", "nope", "--print-config"]) == 2
+    assert "shipped configs, usable by name: ['gpt2-124m', 'tiny']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=inf", "'optim.lr' must be a finite number, got inf"),
+    ("optim.weight_decay=nan", "'optim.weight_decay' must be a finite number, got nan"),
+    ("data.val_fraction=nan", "'data.val_fraction' must be a finite number"),
+    ("model.attention=flash", "attention must be one of"),
+    ("model.attention_options={\"feature_map\": \"nope\"}", "feature_map"),
+])
+def test_print_config_fails_like_a_run(override, message, capsys):
+    assert main(["train", "--set", override, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
