@@ -27,7 +27,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops-max-T", type=int, default=8192, help="longest context for the op benchmark (default 8192)")
     p.add_argument("--size", default="12L-128", help="model size for the training step (default 12L-128)")
     p.add_argument("--time-cap", type=float, default=12.0, help="seconds per step past which a curve stops")
-    p.add_argument("--out", type=Path, default=None, help="also write JSON/CSV/MD/PNG here")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"),
+                   help="folder for the record (JSON/CSV/MD/PNG; default runs/demo). The committed record is "
+                        "docs/results/demo: pass that to replace it")
     p.add_argument("--skip-generate", action="store_true", help="skip the generation benchmark")
 
 
@@ -88,4 +90,6 @@ def run(args) -> int:
                 print(f"time per generated token, {name}: {a * 1e3:.2f} ms at T = {Ts[0]}, "
                       f"{b * 1e3:.2f} ms at T = {Ts[-1]} ({b / a:.2f}x)")
     print(f"(quick profile, {time.perf_counter() - t0:.0f}s; `lintrans bench all --profile full` for the full record)")
+    print(f"record written to {args.out.resolve()}/ (ops, train{', generate' if gen is not None else ''}: "
+          ".json .csv .md .png)")
     return 0

@@ -2,5 +2,5 @@
 
     from lintrans.train.config import load_config
     from lintrans.train.loop import train
-    train(load_config("configs/tiny.toml", ["train.max_steps=100"]))
+    train(load_config("tiny", ["train.max_steps=100"]))
 """

@@ -2,8 +2,8 @@
 
     lintrans train                                   # the shipped tiny config: a few CPU minutes
     lintrans train --config tiny --set train.max_steps=200
-    lintrans train --config configs/tiny.toml --train.out_dir runs/x --model.attention linear
-    torchrun --standalone --nproc_per_node 2 -m lintrans train --config configs/tiny.toml
+    lintrans train --config tiny --train.out_dir runs/x --model.attention linear
+    .venv/bin/torchrun --standalone --nproc_per_node 2 -m lintrans train --config tiny
 """
 from __future__ import annotations
 

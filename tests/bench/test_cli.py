@@ -142,3 +142,21 @@ def test_abbreviated_flags_are_rejected_and_version_is_printed(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("lintrans ")
+
+
+def test_demo_writes_its_record_to_a_folder_it_names(tmp_path, monkeypatch, capsys):
+    from lintrans.bench import cli as bench_cli
+    from lintrans.bench.report import speedup
+
+    seen = []
+
+    def fake_benchmark(which, prof, *, device="cpu", out=None):  # records where it was asked to write
+        seen.append(out)
+        rows = [{"series": s, "T": 256, "status": "ok", "time_s": t} for s, t in (("a", 1.0), ("b", 2.0))]
+        return {"rows": rows, "speedups": [speedup(rows, "a", "b")], "lines": []}
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", fake_benchmark)
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 0
+    assert seen and all(str(o) == "runs/demo" for o in seen)  # never docs/results/demo unless asked
+    assert f"record written to {tmp_path / 'runs' / 'demo'}/" in capsys.readouterr().out
