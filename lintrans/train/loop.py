@@ -28,7 +28,7 @@ class TrainResult:
     step: int  # optimizer steps completed in total
     losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, this invocation
     val_losses: dict[int, float] = field(default_factory=dict)
-    stopped: str = "done"  # done | stop_after | signal | nonfinite
+    stopped: str = "done"  # done | stop_after | signal | nonfinite | already_done (nothing was trained)
     exit_code: int = 0
 
 
@@ -200,6 +200,12 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
     if found is not None:
         saved = ckpt.read_checkpoint(found)
         _check_resume(found, saved, cfg, gpt_config.to_dict())
+        done = saved["trainer_state"]["step"]
+        if done >= cfg.train.max_steps:
+            say(f"nothing to train: the checkpoint in {found} is at step {done}, already at train.max_steps="
+                f"{cfg.train.max_steps}. To train further, raise it (e.g. --train.max_steps {2 * done}; the "
+                "learning-rate schedule then stretches to the new end), or use a new train.out_dir.")
+            return TrainResult(out_dir, done, stopped="already_done")
 
     source = resolve_source(cfg.data.source, bin_dtype=cfg.data.bin_dtype,
                             hf_split=cfg.data.hf_split, hf_column=cfg.data.hf_text_column)
@@ -272,6 +278,10 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
         model.train()
         return all_mean(info, float(np.mean(losses)))
 
+    def weights_finite() -> bool:
+        bad = any(not torch.isfinite(p).all() for p in model.parameters())
+        return not any_flag(info, bad)
+
     def save() -> None:
         rng = gather_objects(info, ckpt.rng_state())
         if info.is_main:
@@ -289,6 +299,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
 
     bar = tqdm(total=cfg.train.max_steps, initial=step, desc="train", unit="step",
                disable=not (info.is_main and cfg.train.progress))
+    tokens_this_run, elapsed_at_start = 0, elapsed
     model.train()
     with _StopSignal() as stop:
         while step < cfg.train.max_steps:
@@ -321,12 +332,20 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens += total * block
+            tokens_this_run += total * block
             elapsed += time.perf_counter() - t0
             result.losses[step] = loss_value
             row = {"step": step, "tokens": tokens, "lr": lr, "loss": loss_value, "grad_norm": grad_norm,
                    "time_s": round(elapsed, 3)}
             if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
                 row["val_loss"] = result.val_losses[step] = evaluate()
+                if info.is_main:  # one readable line per evaluation, with or without the progress bar
+                    line = (f"step {step}/{cfg.train.max_steps}: train loss {loss_value:.4f}, val loss "
+                            f"{row['val_loss']:.4f}, {tokens_this_run / max(elapsed - elapsed_at_start, 1e-9):,.0f} "
+                            f"tokens/s, {elapsed:.0f} s")
+                    bar.write(line, file=sys.stdout)
+                    with open(out_dir / "train.log", "a") as f:
+                        f.write(line + "\n")
             if log is not None:
                 log.add(row)
             bar.update(1)
@@ -339,6 +358,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
             elif stop_after is not None and step >= stop_after:
                 result.stopped = "stop_after"
             if step % cfg.train.checkpoint_interval == 0 or step == cfg.train.max_steps or result.stopped != "done":
+                if not weights_finite():  # a NaN/inf weight must never replace the last good checkpoint
+                    result.stopped, result.exit_code = "nonfinite", EXIT_NONFINITE
+                    break
                 save()
             if result.stopped != "done":
                 break
@@ -346,7 +368,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
     result.step = step
     if result.stopped == "nonfinite":
         kept = ckpt.find_checkpoint(out_dir)
-        say(f"stopped: the loss or gradient became non-finite at step {step + 1} (lr {lr:.3g}); nothing was "
+        say(f"stopped: the loss, a gradient or a weight became non-finite by step {step + 1} (lr {lr:.3g}); nothing was "
             f"saved after it. The last good checkpoint is {kept or 'none (no checkpoint was written yet)'}. "
             "Lower optim.lr, raise optim.warmup_steps, or use precision fp32.")
     elif result.stopped == "signal":

@@ -115,7 +115,52 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_config, monke
     result = train(cfg)
     assert result.stopped == "nonfinite" and result.exit_code == 1 and result.step == 4
     assert read_state(result.out_dir)["step"] == 4
-    assert "non-finite at step 5" in capsys.readouterr().err
+    assert "non-finite by step 5" in capsys.readouterr().err
+
+
+def test_non_finite_weights_never_replace_a_good_checkpoint(tiny_config, monkeypatch):
+    from lintrans.train import loop
+
+    original = loop.build_optimizer
+
+    def poisoning_optimizer(model, cfg, device):  # the 3rd update writes a NaN weight, loss still finite
+        opt = original(model, cfg, device)
+        step, calls = opt.step, {"n": 0}
+
+        def poisoned_step(*a, **k):
+            out = step(*a, **k)
+            calls["n"] += 1
+            if calls["n"] == 3:
+                with torch.no_grad():
+                    next(model.parameters())[0, 0] = float("nan")
+            return out
+
+        opt.step = poisoned_step
+        return opt
+
+    monkeypatch.setattr(loop, "build_optimizer", poisoning_optimizer)
+    result = train(tiny_config(**{"train.checkpoint_interval": 2}))
+    assert result.stopped == "nonfinite" and result.exit_code == 1
+    assert read_state(result.out_dir)["step"] == 2  # the good one, not the NaN weights of step 4
+    from safetensors.torch import load_file
+
+    weights = load_file(str(result.out_dir / "checkpoint" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_resuming_a_finished_run_says_nothing_was_trained(tiny_config, capsys):
+    first = train(tiny_config(**{"train.max_steps": 4, "train.eval_interval": 2}))
+    assert first.stopped == "done"
+    out = capsys.readouterr().out
+    # one line per evaluation on stdout and in train.log, readable without the progress bar
+    assert out.count("train loss") == 2 and "step 4/4: train loss" in out and "tokens/s" in out
+    assert (first.out_dir / "train.log").read_text().count("val loss") == 2
+    again = train(tiny_config(**{"train.max_steps": 4}))
+    assert again.stopped == "already_done" and again.step == 4 and again.losses == {}
+    err = capsys.readouterr().err
+    assert "nothing to train" in err and "--train.max_steps 8" in err
+    more = train(tiny_config(**{"train.max_steps": 6}))
+    assert more.stopped == "done" and sorted(more.losses) == [5, 6]
 
 
 def test_lr_schedule(tiny_config):
