@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -77,7 +78,12 @@ def _new_attention_keys(model: GPT) -> list[str]:
 
 def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: str = "softmax") -> GPT:
     model = GPT(config)
-    allow = _new_attention_keys(model) if config.attention != pretrained_attention else ()
+    swapped = config.attention != pretrained_attention
+    if swapped:
+        warnings.warn(f"{source} was trained with {pretrained_attention!r} attention and is loaded with "
+                      f"{config.attention!r}: its weights were not trained for it, so expect a worse model until "
+                      "it is fine-tuned (train.init_from)", stacklevel=3)
+    allow = _new_attention_keys(model) if swapped else ()
     return load_state_dict_checked(model, state, allow, source)
 
 
@@ -91,11 +97,20 @@ def _apply_overrides(config: GPTConfig, overrides: dict) -> GPTConfig:
 
 
 def _read_tensors(path: Path) -> dict:
+    import pickle
+
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(path), device="cpu")
-    obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            return load_file(str(path), device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path} is damaged or not a safetensors file: {e}") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path} cannot be read as a weights-only PyTorch file: {str(e).splitlines()[0]}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path} does not hold a state dict (got {type(obj).__name__})")
     return obj
@@ -211,7 +226,7 @@ def save_hf(model: GPT, folder, safe_serialization: bool = True) -> Path:
 
 def load_hf(folder, **overrides) -> GPT:
     folder = Path(folder)
-    config = _apply_overrides(config_from_hf(json.loads((folder / "config.json").read_text())), overrides)
+    config = _apply_overrides(config_from_hf(read_json_object(folder / "config.json")), overrides)
     state = state_dict_from_hf(_read_tensors(_weights_file(folder)))
     return _build(config, state, f"Hugging Face weights in {folder}")
 
@@ -235,6 +250,17 @@ def load_nanogpt(path, **overrides) -> GPT:
 
 
 # -- lintrans checkpoint folders -----------------------------------------------------------
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object; ValueError naming the file otherwise."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
 
 def _lintrans_config(cfg: dict) -> Optional[dict]:
     """The GPTConfig dict inside a lintrans config.json, or None if it is not one."""
@@ -263,17 +289,22 @@ def load_model(path, **overrides) -> GPT:
         if path.suffix in (".pt", ".pth", ".ckpt"):
             return load_nanogpt(path, **overrides)
         raise ValueError(f"{path}: expected a checkpoint folder or a nanoGPT .pt file")
+    if not path.is_dir() and path.with_name(path.name + ".old").is_dir():
+        path = path.with_name(path.name + ".old")  # a save was stopped between its two renames
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if not (path / "config.json").is_file():
         if (path / "ckpt.pt").is_file():
             return load_nanogpt(path / "ckpt.pt", **overrides)
         raise FileNotFoundError(f"{path} has neither config.json (lintrans / Hugging Face) nor ckpt.pt (nanoGPT)")
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_json_object(path / "config.json")
     inner = _lintrans_config(cfg)
     if inner is None:
         return load_hf(path, **overrides)
-    config = GPTConfig.from_dict(inner)
+    try:
+        config = GPTConfig.from_dict(inner)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
     saved_attention = config.attention
     config = _apply_overrides(config, overrides)
     return _build(config, _read_tensors(_weights_file(path)), f"lintrans checkpoint {path}", saved_attention)

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"attention": args.attention} if args.attention else {}
     try:
         model = from_pretrained(args.hf, **overrides) if args.hf else load_model(args.checkpoint, **overrides)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"lintrans sample: {e}", file=sys.stderr)
         return 2
     model.to(args.device).eval()

@@ -25,6 +25,7 @@ import torch
 FORMAT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint"
 _FILES = ("config.json", "model.safetensors", "optimizer.safetensors", "train_config.json", "trainer_state.json")
+_STATE_FIELDS = ("step", "tokens", "sampler", "rng", "optimizer")
 
 
 def find_checkpoint(out_dir) -> Path | None:
@@ -53,6 +54,8 @@ def save_checkpoint(out_dir, model, optimizer, trainer_state: dict, train_config
         _write_json(tmp / "train_config.json", train_config)
         _write_json(tmp / "trainer_state.json", {"format": FORMAT_VERSION, **trainer_state, "optimizer": opt_meta})
         _make_readable(tmp)
+        for f in tmp.iterdir():  # the weights too, not only the JSON, are on disk before the rename
+            _fsync_file(f)
         _fsync_dir(tmp)
         if final.exists():
             if old.exists():
@@ -78,10 +81,26 @@ def read_checkpoint(path) -> dict:
             out[key] = json.loads((path / name).read_text())
         except ValueError as e:
             raise ValueError(f"checkpoint {path} is damaged: {name} is not valid JSON ({e})") from None
+    for key, name in (("config", "config.json"), ("train_config", "train_config.json"), ("trainer_state", "trainer_state.json")):
+        if not isinstance(out[key], dict):
+            raise ValueError(f"checkpoint {path} is damaged: {name} must hold a JSON object")
     version = out["trainer_state"].get("format")
     if version != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {version!r}; this lintrans reads format {FORMAT_VERSION}")
+    for key, name, fields in (("trainer_state", "trainer_state.json", _STATE_FIELDS), ("config", "config.json", ("model",))):
+        missing = [f for f in fields if f not in out[key]]
+        if missing:
+            raise ValueError(f"checkpoint {path} is damaged: {name} lacks {missing}")
     return out
+
+
+def remove_abandoned(out_dir) -> list[Path]:
+    """Delete the temporary folders of saves that were killed before their rename (each a full
+    checkpoint's worth of disk); returns what was removed."""
+    gone = sorted(Path(out_dir).glob(f".{CHECKPOINT_NAME}.tmp-*"))
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def load_weights(path, model, optimizer) -> None:
@@ -164,6 +183,11 @@ def _make_readable(folder: Path) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for f in folder.iterdir():
         os.chmod(f, 0o666 & ~umask)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

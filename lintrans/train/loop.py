@@ -164,6 +164,23 @@ def _check_resume(path: Path, saved: dict, cfg: TrainConfig, gpt_dict: dict) -> 
         )
 
 
+def _apply_optim_config(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> list[str]:
+    """Loading an optimizer state restores the hyper-parameters it was saved with; the run's config
+    is what the run folder records, so apply it and say what changed."""
+    o = cfg.optim
+    wanted = {"betas": (o.beta1, o.beta2), "eps": o.eps}
+    changed = []
+    for i, group in enumerate(optimizer.param_groups):
+        decay = o.weight_decay if i == 0 else 0.0  # group 0 holds the matrices (build_optimizer)
+        for key, value in {**wanted, "weight_decay": decay}.items():
+            old = tuple(group[key]) if key == "betas" else group[key]
+            if old != value:
+                name = {"betas": "beta1/beta2", "eps": "eps", "weight_decay": "weight_decay"}[key]
+                changed.append(f"resume: optim.{name} changed from {old} in the checkpoint to {value}; using {value}")
+                group[key] = value
+    return list(dict.fromkeys(changed))
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) the training described by ``cfg``; see docs/training.md."""
     cfg.validate()
@@ -191,6 +208,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
                                        cfg.train.micro_batch_size, block, info.world_size)
 
     # Resume checks come before any tokenising or training, so a mistake costs nothing.
+    if info.is_main:
+        for path in ckpt.remove_abandoned(out_dir):
+            say(f"removed {path}: the unfinished save of a run that was killed")
     found = ckpt.find_checkpoint(out_dir)
     if found is not None and cfg.train.resume == "never":
         raise ValueError(f"{out_dir} already holds a checkpoint; set train.resume=auto to continue it or pick another out_dir")
@@ -229,6 +249,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
     step, tokens, elapsed = 0, 0, 0.0
     if saved is not None:
         ckpt.load_weights(found, model, optimizer)
+        for line in _apply_optim_config(optimizer, cfg):
+            say(line)
         st = saved["trainer_state"]
         step, tokens, elapsed = st["step"], st["tokens"], st.get("time_s", 0.0)
         sampler.load_state_dict(st["sampler"])

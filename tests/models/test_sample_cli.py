@@ -69,3 +69,31 @@ def test_sample_on_a_missing_device_is_one_line(byte_checkpoint, capsys):
     assert main(["sample", "--checkpoint", str(path), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "--device is 'cuda' but no CUDA device is available" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:50]), "model.safetensors"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\x10" * 300), "model.safetensors"),
+    (lambda d: (d / "config.json").write_text((d / "config.json").read_text()[:20]), "config.json is not valid JSON"),
+    (lambda d: (d / "config.json").write_text("[]"), "config.json must hold a JSON object, got list"),
+    (lambda d: (d / "config.json").write_text('{"model": {"n_layer": "x"}}'), "config.json"),
+])
+def test_sample_on_a_damaged_checkpoint_is_one_line_and_touches_nothing(tmp_path, capsys, damage, message):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=300))
+    save_model(model, tmp_path)
+    damage(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_sample_falls_back_to_checkpoint_old_and_warns_on_swapped_attention(tmp_path, capsys):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=300))
+    save_model(model, tmp_path / "checkpoint.old")  # a save stopped between its two renames
+    args = ["sample", "--checkpoint", str(tmp_path / "checkpoint"), "--prompt", "hi", "--max-new-tokens", "2",
+            "--tokenizer", "bytes"]
+    assert main(args) == 0
+    with pytest.warns(UserWarning, match="trained with 'softmax' attention and is loaded with 'linear'"):
+        assert main([*args, "--attention", "linear"]) == 0

@@ -216,3 +216,35 @@ def test_linear_attention_trains_and_resumes(tiny_config):
     train(tiny_config("b", **settings, **{"train.stop_after_steps": 2}))
     resumed = train(tiny_config("b", **settings))
     assert [resumed.losses[s] for s in (3, 4)] == [straight.losses[s] for s in (3, 4)]
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("trainer_state.json", '{"format": 1}', "trainer_state.json lacks ['step', 'tokens', 'sampler', 'rng', 'optimizer']"),
+    ("config.json", "{}", "config.json lacks ['model']"),
+    ("train_config.json", "[]", "train_config.json must hold a JSON object"),
+])
+def test_resume_from_a_checkpoint_missing_fields_is_one_error(tiny_config, name, text, message):
+    first = train(tiny_config(**{"train.stop_after_steps": 1}))
+    (first.out_dir / "checkpoint" / name).write_text(text)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        train(tiny_config())
+
+
+def test_resume_applies_changed_optimizer_settings_and_says_so(tiny_config, capsys):
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    capsys.readouterr()
+    result = train(tiny_config(**{"train.stop_after_steps": 1, "optim.weight_decay": 0.3, "optim.beta2": 0.9}))
+    err = capsys.readouterr().err
+    assert "optim.weight_decay changed from 0.1 in the checkpoint to 0.3" in err
+    assert "optim.beta1/beta2 changed from (0.9, 0.95) in the checkpoint to (0.9, 0.9)" in err
+    state = ckpt.read_checkpoint(result.out_dir / "checkpoint")["trainer_state"]["optimizer"]["param_groups"]
+    assert state[0]["weight_decay"] == 0.3 and state[1]["weight_decay"] == 0.0 and list(state[0]["betas"]) == [0.9, 0.9]
+
+
+def test_abandoned_save_folders_are_removed_at_the_next_start(tiny_config, capsys):
+    first = train(tiny_config(**{"train.stop_after_steps": 1}))
+    junk = first.out_dir / ".checkpoint.tmp-abc123"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"x" * 100)
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    assert not junk.exists() and "removed" in capsys.readouterr().err
