@@ -63,6 +63,9 @@ class TrainSection:
     precision: str = "auto"  # auto = bf16 autocast on GPUs that support it, fp32 elsewhere
     compile: bool = False
     resume: str = "auto"  # auto: continue from out_dir/checkpoint if present; never; must
+    # start from existing weights (lintrans checkpoint, Hugging Face GPT-2 folder or cache name, nanoGPT
+    # ckpt.pt): the model is that one; model.attention etc. may swap the attention (weights kept)
+    init_from: Optional[str] = None
     progress: bool = True
 
 

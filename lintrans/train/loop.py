@@ -181,6 +181,24 @@ def _apply_optim_config(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> list[
     return list(dict.fromkeys(changed))
 
 
+def _initial_model(cfg: TrainConfig, tokenizer, say):
+    """The model of ``train.init_from`` with the weight-preserving model keys of the config applied
+    (e.g. ``model.attention=linear`` linearises it, as ``from_pretrained(..., attention=...)`` does)."""
+    from lintrans.models.hf import WEIGHT_PRESERVING, from_pretrained
+
+    overrides = {k: v for k, v in cfg.model.items() if k in WEIGHT_PRESERVING}
+    ignored = sorted(k for k in cfg.model if k not in WEIGHT_PRESERVING)
+    model = from_pretrained(cfg.train.init_from, **overrides)
+    if ignored:
+        say(f"train.init_from: the model's shape comes from {cfg.train.init_from}; the config's "
+            f"{['model.' + k for k in ignored]} are not used (only {list(WEIGHT_PRESERVING)} apply)")
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"train.init_from {cfg.train.init_from} has {model.config.vocab_size} tokens, fewer than "
+                         f"the {tokenizer.name} tokenizer's {tokenizer.vocab_size}: set data.tokenizer to its own")
+    say(f"initial weights from {cfg.train.init_from} ({model.config.attention} attention)")
+    return model
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) the training described by ``cfg``; see docs/training.md."""
     cfg.validate()
@@ -202,7 +220,12 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
             f"model.vocab_size ({cfg.model['vocab_size']}) is smaller than the {tokenizer.name} tokenizer's "
             f"vocabulary ({tokenizer.vocab_size})"
         )
-    gpt_config = cfg.gpt_config(vocab_size=padded_vocab(tokenizer.vocab_size))
+    initial = None
+    if cfg.train.init_from:
+        initial = _initial_model(cfg, tokenizer, say)
+        gpt_config = initial.config
+    else:
+        gpt_config = cfg.gpt_config(vocab_size=padded_vocab(tokenizer.vocab_size))
     block = gpt_config.block_size
     total, micro, accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
                                        cfg.train.micro_batch_size, block, info.world_size)
@@ -240,7 +263,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
     data.check_block_size(block)
 
     torch.manual_seed(cfg.train.seed)  # same initial weights on every process
-    model = GPT(gpt_config).to(info.device)
+    model = (GPT(gpt_config) if initial is None else initial).to(info.device)
     optimizer = build_optimizer(model, cfg, info.device)
     torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
     sampler = WindowSampler(len(data.train), block, cfg.train.seed)
