@@ -185,6 +185,11 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         ylabel = "seconds per token" if which == "generate" else "seconds per step"
         paths["png"] = plot_sweep(rows, Path(out) / f"{which}.png", title, ylabel=ylabel, second=second, subtitle=sub)
         print("wrote", ", ".join(str(p) for p in paths.values()))
+        from .report import noise_warning
+
+        if (warning := noise_warning(info)) is not None:
+            print(warning, file=sys.stderr)
+        result["noise_warning"] = warning
     return result
 
 

@@ -87,8 +87,24 @@ def floor_line(rows: list[dict], slow: str, fast: str, floor: str) -> Optional[s
         return None
     T = max(Ts)
     bound, got = t[(slow, T)] / t[(floor, T)], t[(slow, T)] / t[(fast, T)]
+    if bound < 1 or got > bound:  # the floor does strictly less work than both: only noise puts it behind
+        return (f"at T = {T} the GPT with no token mixing measured {t[(floor, T)]:.3g} s, slower than "
+                f"{'softmax' if bound < 1 else fast} ({t[(slow if bound < 1 else fast, T)]:.3g} s) although it "
+                "does less work: the machine was disturbed, so no bound is stated")
     return (f"at T = {T} a GPT with no token mixing takes {t[(floor, T)]:.3g} s, so no attention could train more "
             f"than {bound:.2f}x faster than {slow}; {fast} reaches {got:.2f}x")
+
+
+NOISY_SPREAD = 2.0  # the matmul probe's slowest/fastest ratio past which a record is called disturbed
+
+
+def noise_warning(probe: dict) -> Optional[str]:
+    """A console warning when the matmul probe taken with a record says the machine was disturbed."""
+    spread = probe.get("matmul_slowest_over_fastest")
+    if spread is None or spread <= NOISY_SPREAD:
+        return None
+    return (f"warning: the matmul probe's slowest run took {spread:.1f}x its fastest (quiet: <= {NOISY_SPREAD}x): "
+            "the machine was busy during this benchmark and its times and ratios may be off; rerun when it is idle")
 
 
 def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[str, Path]:

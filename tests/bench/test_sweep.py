@@ -179,3 +179,20 @@ def test_run_train_bounds_the_floor_by_softmax(monkeypatch):
     assert by_name["4L-128 linear chunked"].within is None and by_name["4L-128 linear chunked"].measure_memory
     assert seen["together"] is True
     assert train._fits_together("12L-768", 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s
+
+
+@pytest.mark.parametrize("floor_s, fast_s", [(2.5, 1.0), (0.5, 0.4)])  # floor behind softmax; fast ahead of floor
+def test_floor_line_does_not_contradict_itself_on_a_disturbed_run(floor_s, fast_s):
+    from lintrans.bench.report import floor_line
+
+    rows = [{"series": s, "T": 1024, "status": "ok", "time_s": t} for s, t in
+            (("soft", 1.0), ("lin", fast_s), ("none", floor_s))]
+    line = floor_line(rows, "soft", "lin", "none")
+    assert "machine was disturbed" in line and "no attention could" not in line
+
+
+def test_noise_warning_only_past_the_threshold():
+    from lintrans.bench.report import noise_warning
+
+    assert noise_warning({"matmul_slowest_over_fastest": 1.6}) is None
+    assert "3.9x its fastest" in noise_warning({"matmul_slowest_over_fastest": 3.9})
