@@ -112,7 +112,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     t0 = time.perf_counter()
     if which == "ops":
         from .ops import GATED_OP, op_series, run_ops
-        from .tune import auto_chunk_size
+        from lintrans.ops.chunk_tuning import auto_chunk_size
 
         chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device)  # noqa: E731 (elu: F = D)
         gated_chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device, gated=True)  # noqa: E731

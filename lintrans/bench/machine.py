@@ -8,16 +8,7 @@ from pathlib import Path
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from lintrans._platform import cpu_model
 
 
 def _thp_mode() -> str:

@@ -42,7 +42,9 @@ def _is_gated(attention: str) -> bool:
 
 
 def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu", gated: bool = False) -> int:
-    from .tune import auto_chunk_size, feature_dim_of
+    from lintrans.ops.chunk_tuning import auto_chunk_size
+
+    from .tune import feature_dim_of
 
     return auto_chunk_size(T, head_dim, feature_dim_of(feature_map, head_dim), torch.float32, device, gated=gated)
 

@@ -345,7 +345,7 @@ def linear_attention(
     feature_map: a name (``identity``, ``elu``, ``relu``, ``softplus``, ``based``), a callable
     ``[..., D] -> [..., F]`` (e.g. a module from ``lintrans.nn.feature_maps``) or a pair of callables
     (phi_q, phi_k). chunk_size: the chunk of ``chunked`` and the block of ``attention_blocked``, or
-    ``"auto"``: the fastest measured on this machine (``lintrans.bench.tune``, cached on disk).
+    ``"auto"``: the fastest measured on this machine (``lintrans.ops.chunk_tuning``, cached on disk).
     state: ``(S [B, H, F, Dv], z [B, H, F])`` in float32 (float64 for float64 inputs), returned when
     ``output_final_state``; pass it back as ``initial_state`` to continue the sequence.
     log_decay: None, or the log of the state's decay, ``[B, T, H]`` (a gate per token and head) or
@@ -372,7 +372,7 @@ def linear_attention(
     dtype = fq.dtype
     Fd = fq.shape[-1]
     if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
-        from lintrans.bench.tune import auto_chunk_size
+        from .chunk_tuning import auto_chunk_size
 
         chunk_size = auto_chunk_size(T, Dv, Fd, dtype, q.device, gated=log_decay is not None)
     if initial_state is None:

@@ -26,6 +26,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from lintrans._platform import cache_dir
+
 from .tokenizer import GPT2_RANKS_SHA256
 
 CACHE_FORMAT = 1
@@ -33,11 +35,7 @@ BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("LINTRANS_CACHE_DIR")
-    if root:
-        return Path(root) / "data"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "lintrans" / "data"
+    return cache_dir() / "data"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from lintrans.bench import tune
+from lintrans.ops import chunk_tuning as tune
 from lintrans.cli import main
 
 

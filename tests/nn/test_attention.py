@@ -115,10 +115,10 @@ def test_softmax_takes_no_options():
 
 
 def test_linear_layer_accepts_auto_chunk_size(tmp_path, monkeypatch):
-    from lintrans.bench import tune
     from lintrans.models import GPT, GPTConfig
+    from lintrans.ops import chunk_tuning
 
-    monkeypatch.setattr(tune, "auto_chunk_size", lambda *a, **k: 4)  # no timing in tests
+    monkeypatch.setattr(chunk_tuning, "auto_chunk_size", lambda *a, **k: 4)  # no timing in tests
     cfg = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=11, attention="linear")
     idx = torch.randint(0, 11, (1, 13))
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from lintrans.bench import tune
+from lintrans.ops import chunk_tuning as tune
 from lintrans.ops import linear_attention
 
 
@@ -15,8 +15,8 @@ def counted(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "_memo", {})
     calls = []
 
-    def fake(chunk, fq, fk, v, S0, repeats=3, ld=None):
-        calls.append(chunk if ld is None else ("gated", chunk))
+    def fake(chunk, q, k, v, log_decay=None, repeats=3):
+        calls.append(chunk if log_decay is None else ("gated", chunk))
         return abs(chunk - 32) + 1.0
 
     monkeypatch.setattr(tune, "measure_candidate", fake)
@@ -96,3 +96,21 @@ def test_real_gated_measurement_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
     best, timings = tune.tune_chunk_size(64, 4, 4, repeats=1, gated=True)
     assert best in timings and set(timings) == {32, 64}
+
+
+def test_cache_dir_honours_lintrans_then_xdg(monkeypatch, tmp_path):
+    from lintrans._platform import cache_dir
+
+    monkeypatch.delenv("LINTRANS_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tune.cache_file() == tmp_path / "xdg" / "lintrans" / "chunk_size.json"
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path / "own"))
+    assert cache_dir() == tmp_path / "own"
+
+
+def test_the_op_layer_does_not_import_the_benchmarks():
+    import subprocess
+    import sys
+
+    code = "import sys, lintrans.ops, lintrans.ops.chunk_tuning; print(any(m.startswith('lintrans.bench') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
