@@ -25,13 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _load(name: str):
-    module, _ = SUBCOMMANDS[name]
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            return None
-        raise
+    return importlib.import_module(SUBCOMMANDS[name][0])
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -42,9 +36,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         # allow_abbrev=False: a misspelt or shortened flag (--train.max_st) is an error, not a guess
         p = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         if only == name:
-            mod = _load(name)
-            if mod is not None:
-                mod.configure(p)
+            _load(name).configure(p)
     return parser
 
 
@@ -72,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    mod = _load(args.command)
-    if mod is None:
-        print(f"lintrans {args.command}: not available in this build", file=sys.stderr)
-        return 2
-    return int(mod.run(args) or 0)
+    return int(_load(args.command).run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None) -> dict[st
         series[f"linear {form}"] = PerT(make)
         if form == "chunked":
             series[GATED_OP] = PerT(lambda T: _gated(gated_chunk(T) if callable(gated_chunk) else gated_chunk, feature_map))
-    series.update(_optional_ops())
+    series.update(_other_ops())
     from .peers import peer_ops
 
     series.update(peer_ops(feature_map))
@@ -58,22 +58,13 @@ def _gated(chunk: int, feature_map: str) -> Callable:
     return fn
 
 
-def _optional_ops() -> dict[str, Callable]:
-    """AFT and sliding-window attention, where those ops are present in this build."""
-    out: dict[str, Callable] = {}
-    try:
-        from lintrans.ops.aft import aft
+def _other_ops() -> dict[str, Callable]:
+    """AFT and sliding-window attention beside the linear forms."""
+    from lintrans.ops.aft import aft
+    from lintrans.ops.sliding_window import sliding_window_attention
 
-        out["aft simple"] = lambda q, k, v: _first(aft(q, k, v, variant="simple", causal=True))
-    except ImportError:
-        pass
-    try:
-        from lintrans.ops.sliding_window import sliding_window_attention
-
-        out["sliding window 256"] = lambda q, k, v: _first(sliding_window_attention(q, k, v, window=256, causal=True))
-    except ImportError:
-        pass
-    return out
+    return {"aft simple": lambda q, k, v: _first(aft(q, k, v, variant="simple", causal=True)),
+            "sliding window 256": lambda q, k, v: _first(sliding_window_attention(q, k, v, window=256, causal=True))}
 
 
 def _first(result):

@@ -8,7 +8,6 @@ n_kv_head key/value heads, each key/value head shared by n_head // n_kv_head que
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Optional
 
@@ -20,6 +19,7 @@ from lintrans.ops._validate import check_positive_int
 from lintrans.ops.feature_maps import FEATURE_MAPS
 from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
 
+from .feature_maps import Hedgehog, Performer, ReBased
 from .registry import register_attention
 
 
@@ -156,24 +156,14 @@ class NoMixingAttention(QKVAttention):
 
 # ---------------------------------------------------------------------------------------------
 # feature maps by name: parameter-free ones go straight to the op as a name; learnable or random
-# ones are modules from lintrans.nn.feature_maps, imported lazily (that module may be absent).
+# ones are modules from lintrans.nn.feature_maps.
 
-# name -> (class name in lintrans.nn.feature_maps, whether q and k must share one module)
-MODULE_FEATURE_MAPS = {"rebased": ("ReBased", False), "hedgehog": ("Hedgehog", False), "performer": ("Performer", True)}
-
-
-def _feature_map_class(name: str):
-    try:
-        mod = importlib.import_module("lintrans.nn.feature_maps")
-    except ModuleNotFoundError as e:
-        if e.name != "lintrans.nn.feature_maps":
-            raise
-        return None
-    return getattr(mod, MODULE_FEATURE_MAPS[name][0], None)
+# name -> (module class, whether q and k must share one module)
+MODULE_FEATURE_MAPS = {"rebased": (ReBased, False), "hedgehog": (Hedgehog, False), "performer": (Performer, True)}
 
 
 def feature_map_names() -> list[str]:
-    return sorted(set(FEATURE_MAPS) | {n for n in MODULE_FEATURE_MAPS if _feature_map_class(n) is not None})
+    return sorted(set(FEATURE_MAPS) | set(MODULE_FEATURE_MAPS))
 
 
 def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head: bool, shared_qk):
@@ -184,10 +174,9 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
         if options:
             raise ValueError(f"feature map {name!r} takes no feature_map_options, got {sorted(options)}")
         return name
-    cls = _feature_map_class(name) if name in MODULE_FEATURE_MAPS else None
-    if cls is None:
+    if name not in MODULE_FEATURE_MAPS:
         raise ValueError(f"attention_options['feature_map'] must be one of {feature_map_names()}, got {name!r}")
-    must_share = MODULE_FEATURE_MAPS[name][1]
+    cls, must_share = MODULE_FEATURE_MAPS[name]
     if shared_qk is None:
         shared_qk = must_share
     if must_share and not shared_qk:

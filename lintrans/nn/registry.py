@@ -31,11 +31,7 @@ def register_attention(name: str):
 
 def _load_providers() -> None:
     for mod in _PROVIDERS:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+        importlib.import_module(mod)
 
 
 def available_attention() -> list[str]:
