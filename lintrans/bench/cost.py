@@ -65,7 +65,9 @@ class ModelShape(HeadGeometry):
 
     @property
     def mlp_hidden(self) -> int:
-        return 4 * self.n_embd if self.mlp == "gelu" else 8 * ((8 * self.n_embd // 3 + 7) // 8)
+        from lintrans.models.gpt import swiglu_hidden
+
+        return 4 * self.n_embd if self.mlp == "gelu" else swiglu_hidden(self.n_embd)
 
 
 def parameters(m: ModelShape, learned_positions: bool = True) -> dict[str, int]:

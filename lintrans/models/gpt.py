@@ -16,6 +16,11 @@ from lintrans.ops.cross_entropy import linear_cross_entropy
 from .config import GPTConfig
 
 
+def swiglu_hidden(n_embd: int) -> int:
+    """SwiGLU's hidden width: 2/3 of 4x, so that its three matrices cost what GELU's two do, rounded up to 8."""
+    return 8 * ((8 * n_embd // 3 + 7) // 8)
+
+
 class MLP(nn.Module):
     """GPT-2's 4x GELU MLP, or a gated SwiGLU one with about the same parameter count."""
 
@@ -26,8 +31,8 @@ class MLP(nn.Module):
             hidden = 4 * config.n_embd
             self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
             self.act = nn.GELU(approximate=config.gelu_approximate)
-        else:  # swiglu: 2/3 of 4x so that three matrices cost what two did, rounded to 8
-            hidden = 8 * ((8 * config.n_embd // 3 + 7) // 8)
+        else:
+            hidden = swiglu_hidden(config.n_embd)
             self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and value
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)

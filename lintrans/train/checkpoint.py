@@ -169,11 +169,8 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 def _write_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Into the temporary folder only: save_checkpoint fsyncs every file before the rename."""
+    path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
 def _make_readable(folder: Path) -> None:

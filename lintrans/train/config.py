@@ -340,9 +340,8 @@ def write_resolved(cfg: TrainConfig, gpt: GPTConfig, path) -> None:
     """The config a run actually used, model section complete, as YAML that --config reads back."""
     import yaml
 
+    from lintrans._io import atomic_write_text
+
     data = cfg.to_dict()
     data["model"] = gpt.to_dict()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
