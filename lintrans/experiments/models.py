@@ -97,7 +97,7 @@ class VectorGPT(nn.Module):
         del self.transformer["wte"]
         self.read_out = nn.Linear(config.n_embd, out_dim)
         for layer in (self.read_in, self.read_out):
-            GPT._init_weights(layer)
+            GPT.init_weights(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.read_in.in_features:

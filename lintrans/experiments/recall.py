@@ -115,15 +115,11 @@ class ShiftGPT(torch.nn.Module):
         super().__init__()
         self.gpt = GPT(config)
         self.shift = torch.nn.Linear(config.n_embd, config.n_embd, bias=False)
-        GPT._init_weights(self.shift)
+        GPT.init_weights(self.shift)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        t = self.gpt.transformer
-        e = t.wte(idx)  # [B,T,C]
-        h = e + self.shift(F.pad(e[:, :-1], (0, 0, 1, 0))) + t.wpe(torch.arange(idx.shape[1]))
-        for block in t.h:
-            h, _ = block(h)
-        return t.ln_f(h)
+        e = self.gpt.transformer.wte(idx)  # [B,T,C]
+        return self.gpt.hidden(inputs_embeds=e + self.shift(F.pad(e[:, :-1], (0, 0, 1, 0))))  # [B,T,C]
 
 
 def _query_logits(model: ShiftGPT, idx, targets):

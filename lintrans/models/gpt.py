@@ -105,14 +105,14 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
-        self.apply(self._init_weights)
+        self.apply(self.init_weights)
         # residual projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:
@@ -148,13 +148,30 @@ class GPT(nn.Module):
                 f"got min {int(idx.min())} max {int(idx.max())}"
             )
 
-    def _hidden(self, idx: torch.Tensor, cache: Optional[GenerationCache], check_ids: bool = True) -> torch.Tensor:
+    def hidden(self, idx: Optional[torch.Tensor] = None, *, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final hidden states [B, T, C] (after ``ln_f``, before the head), from token ids or
+        from ``inputs_embeds`` [B, T, C] given in place of the token embedding (positions are still
+        added): the entry for models that read vectors or mix extra inputs into the embedding."""
+        if (idx is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of idx and inputs_embeds")
+        return self._hidden(idx, None, inputs_embeds=inputs_embeds)
+
+    def _hidden(self, idx: Optional[torch.Tensor], cache: Optional[GenerationCache], check_ids: bool = True,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         past = 0 if cache is None else cache.length
-        self._check_idx(idx, past, check_ids)
-        T = idx.shape[1]
-        x = self.transformer.wte(idx)  # [B,T,C]
+        if inputs_embeds is None:
+            self._check_idx(idx, past, check_ids)
+            x = self.transformer.wte(idx)  # [B,T,C]
+        else:
+            x = inputs_embeds
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.config.n_embd or x.shape[1] < 1:
+                raise ValueError(f"inputs_embeds must be a tensor [B, T, {self.config.n_embd}] with T >= 1, "
+                                 f"got {tuple(getattr(x, 'shape', ()))}")
+            if self.config.pos_embedding == "learned" and past + x.shape[1] > self.config.block_size:
+                raise ValueError(f"sequence length {past + x.shape[1]} exceeds block_size {self.config.block_size}")
+        T = x.shape[1]
         if "wpe" in self.transformer:
-            pos = torch.arange(past, past + T, device=idx.device)
+            pos = torch.arange(past, past + T, device=x.device)
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):

@@ -189,3 +189,19 @@ def test_no_position_embedding_allows_longer_context():
     assert "wpe" not in model.transformer
     logits, _ = model(torch.randint(0, 61, (1, 50)))
     assert logits.shape == (1, 50, 61)
+
+
+def test_hidden_from_inputs_embeds_equals_hidden_from_ids():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, vocab_size=50)).eval()
+    idx = torch.randint(0, 50, (2, 9))
+    from_ids = model.hidden(idx)  # [B,T,C]
+    assert torch.equal(from_ids, model.hidden(inputs_embeds=model.transformer.wte(idx)))
+    logits, _ = model(idx)
+    torch.testing.assert_close(model.lm_head(from_ids), logits)
+    with pytest.raises(ValueError, match="exactly one of idx and inputs_embeds"):
+        model.hidden(idx, inputs_embeds=model.transformer.wte(idx))
+    with pytest.raises(ValueError, match=r"inputs_embeds must be a tensor \[B, T, 16\]"):
+        model.hidden(inputs_embeds=torch.zeros(2, 9, 15))
+    with pytest.raises(ValueError, match="exceeds block_size 32"):
+        model.hidden(inputs_embeds=torch.zeros(1, 33, 16))
