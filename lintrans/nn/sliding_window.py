@@ -70,7 +70,8 @@ class SlidingWindowAttention(QKVAttention):
         T = x.shape[1]
         g = [p for p in self.global_tokens or [] if p < T]  # configured positions may lie beyond this T
         o = sliding_window_attention(
-            q, k, v, window=self.window, dilation=self.dilation, causal=True, global_tokens=g or None, scale=self.scale
+            q, k, v, window=self.window, dilation=self.dilation, causal=True, global_tokens=g or None, scale=self.scale,
+            global_rows=False,  # the global rows come from the layer's own global projections below
         )  # [B,T,H,D]
         new_cache = None
         if self.global_tokens is not None:

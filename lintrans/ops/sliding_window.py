@@ -96,13 +96,19 @@ def sliding_window_attention(
     causal: bool = True,
     global_tokens=None,
     scale: Optional[float] = None,
+    global_rows: bool = True,
 ) -> torch.Tensor:
     """Banded softmax attention. q, k: [B, T, H, Dk], v: [B, T, H, Dv] -> o [B, T, H, Dv].
 
     scale defaults to 1/sqrt(Dk). global_tokens: None, a bool mask [T] or a list of positions.
+    global_rows=False leaves the global positions' own rows like any other row (their band plus the
+    global columns), for a caller that computes those rows itself (Longformer's separate global
+    projections) and would otherwise pay for them twice.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     _check_common(window, dilation, causal, scale)
+    if not isinstance(global_rows, bool):
+        raise TypeError(f"global_rows must be a bool, got {global_rows!r}")
     gidx = global_positions(global_tokens, T, q.device)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
@@ -141,6 +147,8 @@ def sliding_window_attention(
         sg = (qh @ kh[:, :, gidx].transpose(-1, -2)).masked_fill(~extra, float("-inf"))  # [B,H,T,G]
         p = torch.cat([scores, sg], dim=-1).softmax(-1)  # [B,H,T,L+G]
         o = band_output(p[..., :L]) + p[..., L:] @ vh[:, :, gidx]
+        if not global_rows:
+            return o.transpose(1, 2).to(q.dtype)  # [B,T,H,Dv]
         # global rows: dense softmax over every key (every earlier key when causal); [G,T] scores only
         sgl = qh[:, :, gidx] @ kh.transpose(-1, -2)  # [B,H,G,T]
         if causal:
@@ -232,7 +240,7 @@ def sliding_window_step(
 
 
 def sliding_window_attention_reference(
-    q, k, v, *, window, dilation=1, causal=True, global_tokens=None, scale=None
+    q, k, v, *, window, dilation=1, causal=True, global_tokens=None, scale=None, global_rows=True
 ) -> torch.Tensor:
     """Plain float64 definition for tests: the T x T pattern entry by entry, then a masked softmax."""
     q, k, v = q.double(), k.double(), v.double()
@@ -253,7 +261,7 @@ def sliding_window_attention_reference(
             in_band = (d % dilation == 0) and (
                 0 <= d <= (window - 1) * dilation if causal else abs(d) <= (window // 2) * dilation
             )
-            allowed[t, j] = in_band or t in glob or j in glob
+            allowed[t, j] = in_band or (global_rows and t in glob) or j in glob
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     s = s.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v)

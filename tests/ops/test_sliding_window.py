@@ -57,6 +57,28 @@ def test_gradients_match_reference(glob, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("glob", [[0], "mask"])
+def test_without_global_rows_matches_reference_outputs_and_gradients(glob, causal):
+    T = 37
+    q, k, v = inputs(2, T, 2, 5, 3, seed=3)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    kw = dict(window=4, dilation=2, causal=causal, global_tokens=globals_for(glob, T), global_rows=False)
+    got = sliding_window_attention(q, k, v, **kw)
+    want = sliding_window_attention_reference(q, k, v, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    full = sliding_window_attention(q, k, v, **{**kw, "global_rows": True})
+    rows = [0] if glob == [0] else [0, T // 2, T - 1]
+    others = [t for t in range(T) if t not in rows]
+    assert torch.equal(got[:, others], full[:, others])  # only the global rows differ
+    if not causal or rows != [0]:
+        assert not torch.allclose(got[:, rows], full[:, rows])
+    dout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad((got * dout).sum(), (q, k, v)), torch.autograd.grad((want * dout).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_window_covering_everything_is_softmax_attention(causal):
     q, k, v = inputs(2, 9, 2, 4, 4)
     o = sliding_window_attention(q, k, v, window=20, causal=causal)
