@@ -12,7 +12,7 @@ dimension of the linear map, c chunk size. Per layer, forward:
     linear, attention     2 B N T^2 (F + E) + 4 B N T F E
 and once: the LM head 2 B T D V. E = h + 1: the implementation carries the normaliser as an extra
 value column. Element-wise work (softmax, feature maps, layer norms, cumulative sums) is left out,
-as in seed 001; it is small beside the matmuls but not free on a CPU.
+as in the JAX scaling book's transformer accounting; it is small beside the matmuls but not free on a CPU.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def forward_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
 
 
 def training_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
-    """Forward + backward: 3x the forward for every matmul (seed 001)."""
+    """Forward + backward: 3x the forward for every matmul (the JAX scaling book)."""
     return {k: 3 * v for k, v in forward_flops(m, T, B).items()}
 
 

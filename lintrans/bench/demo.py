@@ -57,12 +57,10 @@ def run(args) -> int:
     t0 = time.perf_counter()
     prof = profiles()["quick"]
     prof.caps.time_s = args.time_cap
-    # 3 s, not 1 s, of timed repeats per point: at 1k-2k the training steps of softmax, chunked and
-    # the floor lie within ~10% of each other, and one sample each on this noisy VM can flip them
+    # several timed repeats per point, and at least two alternating rounds even where one step takes
+    # seconds: near the crossover the series lie close together and one slow moment can flip them
+    # (docs/benchmarks.md has the runs that showed it)
     prof.caps.budget_s = 3.0
-    # and at 2k-4k, where one step takes 1.5-4.5 s, two alternating rounds rather than the one the
-    # budget buys: a single slow moment once put chunked level with softmax at 4k (1.00x), where a
-    # run minutes earlier measured 1.51x
     prof.caps.min_repeats = 2
     prof.ops_only = ["linear chunked", "softmax (SDPA)"]
     prof.ops_T = powers_of_two(256, args.ops_max_T)

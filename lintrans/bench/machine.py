@@ -59,8 +59,8 @@ def _matmul_times(n: int, dtype: torch.dtype, device: str, seconds: float, min_r
 
 
 def matmul_probe(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> dict:
-    """How fast the machine ran matmuls just now: this shared VM's speed drifts by up to 1.7x
-    within a minute and differs from day to day, so each record carries the speed it ran at.
+    """How fast the machine ran matmuls just now: a shared machine's speed drifts within
+    a minute and differs from day to day (docs/benchmarks.md), so each record carries the speed it ran at.
     GFLOP/s of an n-square float32 matmul, best and median over ``seconds``, and max/min time."""
     times = _matmul_times(n, torch.float32, device, seconds, min_reps=3)
     flop = 2 * n**3 / 1e9

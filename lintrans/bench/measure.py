@@ -169,7 +169,7 @@ def sweep_side_by_side(series: list[Series], Ts: Iterable[int], caps: Caps, *, d
     """Every series at one T, then the next T; each curve ends at its first point past a cap.
 
     With ``together`` all steps of a T are built and warmed up first and their timed repeats then
-    taken in turn (A B C A B C ...): this machine's speed drifts by up to 1.7x within seconds, and
+    taken in turn (A B C A B C ...): a shared machine's speed drifts within seconds (docs/benchmarks.md), and
     alternating exposes every series to the same drift, so ratios hold where absolute times do not.
     Without it (when the steps would not fit in memory at once) each series is measured in turn.
     Returns the points grouped by series, T ascending.
@@ -258,8 +258,8 @@ def _time_and_size(live: list, caps: Caps, device: str) -> None:
     for s, point, step, _ in live:
         if point.status != "ok":
             continue
-        # interference from other tenants only ever adds time (this VM's matmul speed varies up to
-        # 1.7x within seconds), so the fastest repeat is the estimate, as timeit advises
+        # interference from other tenants only ever adds time, so the fastest repeat is the
+        # estimate, as timeit advises
         point.time_s = min(point.times_s)
         if s.measure_memory:
             try:

@@ -11,7 +11,7 @@ SIZES = {
     "12L-256": (12, 4, 256),
     "12L-768": (12, 12, 768),  # GPT-2 124M
     # attention-dominated: the no-mixing bound grows with L T / V, so depth is what lets the
-    # attention term outgrow the LM head at batch 1 (lintrans cost: 7.3x at 16k, 12L-128 3.9x)
+    # attention term outgrow the LM head at batch 1 (`lintrans cost --size 48L-128` shows the split)
     "48L-128": (48, 2, 128),
 }
 

@@ -1,4 +1,4 @@
-"""Study ``context`` (seed 000, section 5): does attention's gap to softmax grow with context?
+"""Study ``context`` ("Linear Transformers Are Faster After All", section 5): does attention's gap to softmax grow with context?
 
 The same small byte-level GPT, only its attention swapped, is trained on the embedded corpus at
 several context lengths T with the tokens per update fixed (batch = tokens_per_update / T) and the

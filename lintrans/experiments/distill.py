@@ -1,4 +1,4 @@
-"""Study ``distill`` (Hedgehog, seed 004): how much of a softmax GPT survives linearisation?
+"""Study ``distill`` (Hedgehog, Zhang et al. 2024): how much of a softmax GPT survives linearisation?
 
 1. A teacher: a small byte-level softmax GPT trained on the embedded corpus (the ``context`` study's
    training, its weights kept as safetensors in the run store). Its learning rate is swept too.

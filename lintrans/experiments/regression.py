@@ -1,4 +1,4 @@
-"""Study ``regression``: in-context linear regression (Garg et al. 2022; seed 004's plan).
+"""Study ``regression``: in-context linear regression (Garg et al. 2022, as the ReBased/Hedgehog literature uses it).
 
 Each sequence draws w ~ N(0, I_n) and points x_i ~ N(0, I_n), y_i = w . x_i; the model reads
 x_1, y_1, ..., x_P as vectors (``tasks.regression_tokens``) and predicts y_i at every x_i from the

@@ -60,7 +60,7 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
-    """softplus(x): puts queries and keys in the positive quadrant (seed 000's normaliser)."""
+    """softplus(x): puts queries and keys in the positive quadrant (the normaliser of "Linear Transformers Are Faster After All")."""
     return F.softplus(x)
 
 
@@ -115,7 +115,7 @@ _EXPANDED_DIM = {
 
 def feature_dim_for(kind: str, head_dim: int, n_head: int = 1) -> int:
     """The q/k projection width (all heads together) that keeps each head's expanded feature
-    dimension closest to ``head_dim`` (the d-hat of seed 004).
+    dimension closest to ``head_dim`` (the d-hat of the ReBased paper, Aksenov et al. 2024).
 
     Per head it is the p >= 1 minimising |F(p) - head_dim|, ties to the smaller p, with F(p) =
     1 + p + p(p+1)/2 for ``based``, p(p+1)/2 for ``rebased`` (symmetric products, as ``ReBased``
