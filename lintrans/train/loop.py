@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -210,216 +211,277 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
-    from lintrans.models import GPT
+    run = _Run(cfg, info)
+    done = run.plan()  # model config, batch layout, resume checks: before any data is read
+    if done is not None:
+        return done
+    run.load_data()
+    run.build()
+    run.open_logs()
+    return run.loop()
 
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if info.is_main else (lambda *a: None)
-    out_dir = Path(cfg.train.out_dir)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    if "vocab_size" in cfg.model and cfg.model["vocab_size"] < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size ({cfg.model['vocab_size']}) is smaller than the {tokenizer.name} tokenizer's "
-            f"vocabulary ({tokenizer.vocab_size})"
+
+class _Run:
+    """One call of ``train``, in nanoGPT's order: plan, data, model and optimizer (or the checkpoint's),
+    logs, then the loop of train steps with evaluations and saves."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo):
+        self.cfg, self.info = cfg, info
+        self.out_dir = Path(cfg.train.out_dir)
+        self.say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if info.is_main else (lambda *a: None)
+        self.step, self.tokens, self.elapsed = 0, 0, 0.0
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def plan(self) -> Optional[TrainResult]:
+        """Tokenizer, model config, batch layout and the resume checks; a TrainResult if there is
+        nothing to train."""
+        cfg, info = self.cfg, self.info
+        self.tokenizer = get_tokenizer(cfg.data.tokenizer)
+        if "vocab_size" in cfg.model and cfg.model["vocab_size"] < self.tokenizer.vocab_size:
+            raise ValueError(
+                f"model.vocab_size ({cfg.model['vocab_size']}) is smaller than the {self.tokenizer.name} tokenizer's "
+                f"vocabulary ({self.tokenizer.vocab_size})"
+            )
+        self.initial = None
+        if cfg.train.init_from:
+            self.initial = _initial_model(cfg, self.tokenizer, self.say)
+            self.gpt_config = self.initial.config
+        else:
+            self.gpt_config = cfg.gpt_config(vocab_size=padded_vocab(self.tokenizer.vocab_size))
+        self.block = self.gpt_config.block_size
+        self.total, self.micro, self.accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
+                                                          cfg.train.micro_batch_size, self.block, info.world_size)
+        if info.is_main:
+            for path in ckpt.remove_abandoned(self.out_dir):
+                self.say(f"removed {path}: the unfinished save of a run that was killed")
+        self.found = ckpt.find_checkpoint(self.out_dir)
+        if self.found is not None and cfg.train.resume == "never":
+            raise ValueError(f"{self.out_dir} already holds a checkpoint; set train.resume=auto to continue it or "
+                             "pick another out_dir")
+        if self.found is None and cfg.train.resume == "must":
+            raise ValueError(f"train.resume=must but {self.out_dir} holds no checkpoint")
+        self.saved = None
+        if self.found is not None:
+            self.saved = ckpt.read_checkpoint(self.found)
+            _check_resume(self.found, self.saved, cfg, self.gpt_config.to_dict())
+            done = self.saved["trainer_state"]["step"]
+            if done >= cfg.train.max_steps:
+                self.say(f"nothing to train: the checkpoint in {self.found} is at step {done}, already at "
+                         f"train.max_steps={cfg.train.max_steps}. To train further, raise it (e.g. --train.max_steps "
+                         f"{2 * done}; the learning-rate schedule then stretches to the new end), or use a new "
+                         "train.out_dir.")
+                return TrainResult(self.out_dir, done, stopped="already_done")
+        return None
+
+    def load_data(self) -> None:
+        cfg, info = self.cfg, self.info
+        source = resolve_source(cfg.data.source, bin_dtype=cfg.data.bin_dtype,
+                                hf_split=cfg.data.hf_split, hf_column=cfg.data.hf_text_column)
+        data: TokenData | None = None
+        if info.is_main:  # rank 0 tokenises; the others then hit the cache
+            data = prepare_data(source, self.tokenizer, val_fraction=cfg.data.val_fraction,
+                                cache_dir=cfg.data.cache_dir, progress=cfg.train.progress)
+        barrier(info)
+        if data is None:
+            data = prepare_data(source, self.tokenizer, val_fraction=cfg.data.val_fraction,
+                                cache_dir=cfg.data.cache_dir, progress=False)
+        data.check_block_size(self.block)
+        self.data = data
+
+    def build(self) -> None:
+        """Model, optimizer, data sampler and precision; the checkpoint's state when resuming."""
+        from lintrans.models import GPT
+
+        cfg, info = self.cfg, self.info
+        torch.manual_seed(cfg.train.seed)  # same initial weights on every process
+        self.model = (GPT(self.gpt_config) if self.initial is None else self.initial).to(info.device)
+        self.optimizer = build_optimizer(self.model, cfg, info.device)
+        torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
+        self.sampler = WindowSampler(len(self.data.train), self.block, cfg.train.seed)
+        self.precision = _precision(cfg.train.precision, info.device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+        if self.saved is not None:
+            ckpt.load_weights(self.found, self.model, self.optimizer)
+            for line in _apply_optim_config(self.optimizer, cfg):
+                self.say(line)
+            st = self.saved["trainer_state"]
+            self.step, self.tokens, self.elapsed = st["step"], st["tokens"], st.get("time_s", 0.0)
+            self.sampler.load_state_dict(st["sampler"])
+            if len(st["rng"]) == info.world_size:
+                ckpt.set_rng_state(st["rng"][info.rank])
+            if st.get("scaler"):
+                self.scaler.load_state_dict(st["scaler"])
+            self.say(f"resuming from {self.found} at step {self.step}")
+        forward = torch.compile(self.model) if cfg.train.compile else self.model
+        if info.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            forward = DistributedDataParallel(
+                forward, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        self.forward = forward
+        self.autocast = (
+            torch.autocast(info.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
+            if self.precision in ("bf16", "fp16") else contextlib.nullcontext()
         )
-    initial = None
-    if cfg.train.init_from:
-        initial = _initial_model(cfg, tokenizer, say)
-        gpt_config = initial.config
-    else:
-        gpt_config = cfg.gpt_config(vocab_size=padded_vocab(tokenizer.vocab_size))
-    block = gpt_config.block_size
-    total, micro, accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
-                                       cfg.train.micro_batch_size, block, info.world_size)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        eval_rng = np.random.Generator(np.random.PCG64(cfg.train.seed + 1))
+        # Fixed validation windows (comparable across evals), eval_batches global batches split like training ones.
+        starts = eval_rng.integers(0, len(self.data.val) - self.block, size=cfg.train.eval_batches * self.total)
+        starts = starts.reshape(cfg.train.eval_batches, self.accum, info.world_size, self.micro)[:, :, info.rank]
+        self.eval_starts = starts.reshape(-1, self.micro)  # [eval_batches * accum, micro]
 
-    # Resume checks come before any tokenising or training, so a mistake costs nothing.
-    if info.is_main:
-        for path in ckpt.remove_abandoned(out_dir):
-            say(f"removed {path}: the unfinished save of a run that was killed")
-    found = ckpt.find_checkpoint(out_dir)
-    if found is not None and cfg.train.resume == "never":
-        raise ValueError(f"{out_dir} already holds a checkpoint; set train.resume=auto to continue it or pick another out_dir")
-    if found is None and cfg.train.resume == "must":
-        raise ValueError(f"train.resume=must but {out_dir} holds no checkpoint")
-    saved = None
-    if found is not None:
-        saved = ckpt.read_checkpoint(found)
-        _check_resume(found, saved, cfg, gpt_config.to_dict())
-        done = saved["trainer_state"]["step"]
-        if done >= cfg.train.max_steps:
-            say(f"nothing to train: the checkpoint in {found} is at step {done}, already at train.max_steps="
-                f"{cfg.train.max_steps}. To train further, raise it (e.g. --train.max_steps {2 * done}; the "
-                "learning-rate schedule then stretches to the new end), or use a new train.out_dir.")
-            return TrainResult(out_dir, done, stopped="already_done")
+    def open_logs(self) -> None:
+        cfg, info, g = self.cfg, self.info, self.gpt_config
+        self.train_config = {**cfg.to_dict(), "model": g.to_dict()}
+        self.log = None
+        if not info.is_main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved(cfg, g, self.out_dir / "config.yaml")
+        self.log = MetricsLog(self.out_dir, self.step)
+        self.say(f"model: {g.attention} attention, {self.model.get_num_params() / 1e6:.2f}M parameters "
+                 f"(without position embeddings), {g.n_layer} layers, block_size {self.block}")
+        self.say(f"data: {self.data.meta['source']}: {len(self.data.train):,} train / {len(self.data.val):,} val "
+                 f"tokens ({self.tokenizer.name} tokenizer)")
+        self.say(f"batch: {self.total} sequences x {self.block} tokens = {self.total * self.block:,} tokens/update "
+                 f"({info.world_size} process(es) x {self.micro} micro-batch x {self.accum} accumulation) on "
+                 f"{info.device}, {self.precision}")
 
-    source = resolve_source(cfg.data.source, bin_dtype=cfg.data.bin_dtype,
-                            hf_split=cfg.data.hf_split, hf_column=cfg.data.hf_text_column)
-    data: TokenData | None = None
-    if info.is_main:  # rank 0 tokenises; the others then hit the cache
-        data = prepare_data(source, tokenizer, val_fraction=cfg.data.val_fraction,
-                            cache_dir=cfg.data.cache_dir, progress=cfg.train.progress)
-    barrier(info)
-    if data is None:
-        data = prepare_data(source, tokenizer, val_fraction=cfg.data.val_fraction,
-                            cache_dir=cfg.data.cache_dir, progress=False)
-    data.check_block_size(block)
+    # -- the steps of the loop ----------------------------------------------------------------
 
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every process
-    model = (GPT(gpt_config) if initial is None else initial).to(info.device)
-    optimizer = build_optimizer(model, cfg, info.device)
-    torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
-    sampler = WindowSampler(len(data.train), block, cfg.train.seed)
-    precision = _precision(cfg.train.precision, info.device)
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
-    step, tokens, elapsed = 0, 0, 0.0
-    if saved is not None:
-        ckpt.load_weights(found, model, optimizer)
-        for line in _apply_optim_config(optimizer, cfg):
-            say(line)
-        st = saved["trainer_state"]
-        step, tokens, elapsed = st["step"], st["tokens"], st.get("time_s", 0.0)
-        sampler.load_state_dict(st["sampler"])
-        if len(st["rng"]) == info.world_size:
-            ckpt.set_rng_state(st["rng"][info.rank])
-        if st.get("scaler"):
-            scaler.load_state_dict(st["scaler"])
-        say(f"resuming from {found} at step {step}")
+    def train_step(self, lr: float) -> tuple[Optional[float], Optional[float]]:
+        """One update (with gradient accumulation): (loss, grad norm), or (None, None) when the loss
+        or the gradient is not finite, in which case nothing was applied."""
+        info = self.info
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        starts = self.sampler.draw(self.total).reshape(self.accum, info.world_size, self.micro)[:, info.rank]
+        loss_sum = torch.zeros((), device=info.device)
+        for a in range(self.accum):
+            x, y = get_batch(self.data.train, starts[a], self.block, info.device)
+            sync = a == self.accum - 1 or not info.enabled
+            with (contextlib.nullcontext() if sync else self.forward.no_sync()):
+                with self.autocast:
+                    _, loss = self.forward(x, y, return_logits=False)
+                self.scaler.scale(loss / self.accum).backward()
+            loss_sum += loss.detach().float()
+        loss_value = all_mean(info, loss_sum.item() / self.accum)
+        if not math.isfinite(loss_value):
+            return None, None
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip).item()
+        if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
+            return None, None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, grad_norm
 
-    forward = torch.compile(model) if cfg.train.compile else model
-    if info.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
-        forward = DistributedDataParallel(forward, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    autocast = (
-        torch.autocast(info.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-        if precision in ("bf16", "fp16") else contextlib.nullcontext()
-    )
-
-    train_config = cfg.to_dict()
-    train_config["model"] = gpt_config.to_dict()
-    extra_config = {"tokenizer": tokenizer.name}
-    log = None
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_resolved(cfg, gpt_config, out_dir / "config.yaml")
-        log = MetricsLog(out_dir, step)
-        say(f"model: {gpt_config.attention} attention, {model.get_num_params() / 1e6:.2f}M parameters "
-            f"(without position embeddings), {gpt_config.n_layer} layers, block_size {block}")
-        say(f"data: {data.meta['source']}: {len(data.train):,} train / {len(data.val):,} val tokens "
-            f"({tokenizer.name} tokenizer)")
-        say(f"batch: {total} sequences x {block} tokens = {total * block:,} tokens/update "
-            f"({info.world_size} process(es) x {micro} micro-batch x {accum} accumulation) on {info.device}, {precision}")
-    eval_rng = np.random.Generator(np.random.PCG64(cfg.train.seed + 1))
-    # Fixed validation windows (comparable across evals), eval_batches global batches split like training ones.
-    eval_starts = eval_rng.integers(0, len(data.val) - block, size=cfg.train.eval_batches * total)
-    eval_starts = eval_starts.reshape(cfg.train.eval_batches, accum, info.world_size, micro)[:, :, info.rank]
-    eval_starts = eval_starts.reshape(-1, micro)  # [eval_batches * accum, micro]
-
-    def evaluate() -> float:
+    def evaluate(self) -> float:
+        model = self.model
         model.eval()
         losses = []
-        with torch.no_grad(), autocast:
-            for starts in eval_starts:
-                x, y = get_batch(data.val, starts, block, info.device)
+        with torch.no_grad(), self.autocast:
+            for starts in self.eval_starts:
+                x, y = get_batch(self.data.val, starts, self.block, self.info.device)
                 losses.append(model(x, y, return_logits=False)[1].float().item())
         model.train()
-        return all_mean(info, float(np.mean(losses)))
+        return all_mean(self.info, float(np.mean(losses)))
 
-    def weights_finite() -> bool:
-        bad = any(not torch.isfinite(p).all() for p in model.parameters())
-        return not any_flag(info, bad)
+    def weights_finite(self) -> bool:
+        bad = any(not torch.isfinite(p).all() for p in self.model.parameters())
+        return not any_flag(self.info, bad)
 
-    def save() -> None:
+    def save(self) -> None:
+        info = self.info
         rng = gather_objects(info, ckpt.rng_state())
         if info.is_main:
-            state = {"step": step, "tokens": tokens, "time_s": elapsed, "lr": lr_at(max(step - 1, 0), cfg),
-                     "world_size": info.world_size, "sampler": sampler.state_dict(), "rng": rng,
-                     "scaler": scaler.state_dict() if scaler.is_enabled() else None}
-            ckpt.save_checkpoint(out_dir, model, optimizer, state, train_config, extra_config)
-            log.plot(out_dir / "loss.png", f"{gpt_config.attention} GPT, {data.meta['source']}")
+            state = {"step": self.step, "tokens": self.tokens, "time_s": self.elapsed,
+                     "lr": lr_at(max(self.step - 1, 0), self.cfg), "world_size": info.world_size,
+                     "sampler": self.sampler.state_dict(), "rng": rng,
+                     "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+            ckpt.save_checkpoint(self.out_dir, self.model, self.optimizer, state, self.train_config,
+                                 {"tokenizer": self.tokenizer.name})
         barrier(info)
 
-    result = TrainResult(out_dir, step)
-    stop_after = None if cfg.train.stop_after_steps is None else step + cfg.train.stop_after_steps
-    params = [p for p in model.parameters() if p.requires_grad]
-    from tqdm.auto import tqdm
+    def report_eval(self, bar, loss: float, val_loss: float, tokens_per_s: float) -> None:
+        """One readable line per evaluation, to stdout and train.log, with or without the progress bar."""
+        if not self.info.is_main:
+            return
+        line = (f"step {self.step}/{self.cfg.train.max_steps}: train loss {loss:.4f}, val loss {val_loss:.4f}, "
+                f"{tokens_per_s:,.0f} tokens/s, {self.elapsed:.0f} s")
+        bar.write(line, file=sys.stdout)
+        with open(self.out_dir / "train.log", "a") as f:
+            f.write(line + "\n")
 
-    bar = tqdm(total=cfg.train.max_steps, initial=step, desc="train", unit="step",
-               disable=not (info.is_main and cfg.train.progress))
-    tokens_this_run, elapsed_at_start = 0, elapsed
-    model.train()
-    with _StopSignal() as stop:
-        while step < cfg.train.max_steps:
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            starts = sampler.draw(total).reshape(accum, info.world_size, micro)[:, info.rank]  # [accum, micro]
-            loss_sum = torch.zeros((), device=info.device)
-            for a in range(accum):
-                x, y = get_batch(data.train, starts[a], block, info.device)
-                sync = a == accum - 1 or not info.enabled
-                with (contextlib.nullcontext() if sync else forward.no_sync()):
-                    with autocast:
-                        _, loss = forward(x, y, return_logits=False)
-                    scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach().float()
-            loss_value = all_mean(info, loss_sum.item() / accum)
-            if not math.isfinite(loss_value):
-                result.stopped, result.exit_code = "nonfinite", EXIT_NONFINITE
-                break
-            scaler.unscale_(optimizer)
-            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
-            if not math.isfinite(grad_norm) and not scaler.is_enabled():
-                result.stopped, result.exit_code = "nonfinite", EXIT_NONFINITE
-                break
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens += total * block
-            tokens_this_run += total * block
-            elapsed += time.perf_counter() - t0
-            result.losses[step] = loss_value
-            row = {"step": step, "tokens": tokens, "lr": lr, "loss": loss_value, "grad_norm": grad_norm,
-                   "time_s": round(elapsed, 3)}
-            if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
-                row["val_loss"] = result.val_losses[step] = evaluate()
-                if info.is_main:  # one readable line per evaluation, with or without the progress bar
-                    line = (f"step {step}/{cfg.train.max_steps}: train loss {loss_value:.4f}, val loss "
-                            f"{row['val_loss']:.4f}, {tokens_this_run / max(elapsed - elapsed_at_start, 1e-9):,.0f} "
-                            f"tokens/s, {elapsed:.0f} s")
-                    bar.write(line, file=sys.stdout)
-                    with open(out_dir / "train.log", "a") as f:
-                        f.write(line + "\n")
-            if log is not None:
-                log.add(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
-                            **({"val": f"{row['val_loss']:.4f}"} if "val_loss" in row else {}))
-            signalled = any_flag(info, stop.signum is not None)
-            if signalled:
-                result.stopped = "signal"
-                result.exit_code = 128 + (stop.signum or signal.SIGTERM)
-            elif stop_after is not None and step >= stop_after:
-                result.stopped = "stop_after"
-            if step % cfg.train.checkpoint_interval == 0 or step == cfg.train.max_steps or result.stopped != "done":
-                if not weights_finite():  # a NaN/inf weight must never replace the last good checkpoint
+    def loop(self) -> TrainResult:
+        cfg, info = self.cfg, self.info
+        result = TrainResult(self.out_dir, self.step)
+        stop_after = None if cfg.train.stop_after_steps is None else self.step + cfg.train.stop_after_steps
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (info.is_main and cfg.train.progress))
+        tokens_this_run, elapsed_at_start = 0, self.elapsed
+        lr = lr_at(self.step, cfg)
+        self.model.train()
+        with _StopSignal() as stop:
+            while self.step < cfg.train.max_steps:
+                t0 = time.perf_counter()
+                lr = lr_at(self.step, cfg)
+                loss, grad_norm = self.train_step(lr)
+                if loss is None:
                     result.stopped, result.exit_code = "nonfinite", EXIT_NONFINITE
                     break
-                save()
-            if result.stopped != "done":
-                break
-    bar.close()
-    result.step = step
-    if result.stopped == "nonfinite":
-        kept = ckpt.find_checkpoint(out_dir)
-        say(f"stopped: the loss, a gradient or a weight became non-finite by step {step + 1} (lr {lr:.3g}); nothing was "
-            f"saved after it. The last good checkpoint is {kept or 'none (no checkpoint was written yet)'}. "
-            "Lower optim.lr, raise optim.warmup_steps, or use precision fp32.")
-    elif result.stopped == "signal":
-        say(f"stopped by signal at step {step}; checkpoint saved in {out_dir / ckpt.CHECKPOINT_NAME}. "
-            "Run the same command again to continue.")
-    else:
-        say(f"{'paused' if result.stopped == 'stop_after' else 'finished'} at step {step}; "
-            f"checkpoint in {out_dir / ckpt.CHECKPOINT_NAME}, logs in {out_dir}")
-    return result
+                self.step += 1
+                self.tokens += self.total * self.block
+                tokens_this_run += self.total * self.block
+                self.elapsed += time.perf_counter() - t0
+                result.losses[self.step] = loss
+                row = {"step": self.step, "tokens": self.tokens, "lr": lr, "loss": loss, "grad_norm": grad_norm,
+                       "time_s": round(self.elapsed, 3)}
+                if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.max_steps:
+                    row["val_loss"] = result.val_losses[self.step] = self.evaluate()
+                    rate = tokens_this_run / max(self.elapsed - elapsed_at_start, 1e-9)
+                    self.report_eval(bar, loss, row["val_loss"], rate)
+                if self.log is not None:
+                    self.log.add(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
+                                **({"val": f"{row['val_loss']:.4f}"} if "val_loss" in row else {}))
+                if any_flag(info, stop.signum is not None):
+                    result.stopped = "signal"
+                    result.exit_code = 128 + (stop.signum or signal.SIGTERM)
+                elif stop_after is not None and self.step >= stop_after:
+                    result.stopped = "stop_after"
+                if (self.step % cfg.train.checkpoint_interval == 0 or self.step == cfg.train.max_steps
+                        or result.stopped != "done"):
+                    if not self.weights_finite():  # a NaN/inf weight must never replace the last good checkpoint
+                        result.stopped, result.exit_code = "nonfinite", EXIT_NONFINITE
+                        break
+                    self.save()
+                    if self.log is not None:
+                        self.log.plot(self.out_dir / "loss.png", f"{self.gpt_config.attention} GPT, "
+                                      f"{self.data.meta['source']}")
+                if result.stopped != "done":
+                    break
+        bar.close()
+        result.step = self.step
+        self.say_outcome(result, lr)
+        return result
+
+    def say_outcome(self, result: TrainResult, lr: float) -> None:
+        if result.stopped == "nonfinite":
+            kept = ckpt.find_checkpoint(self.out_dir)
+            self.say(f"stopped: the loss, a gradient or a weight became non-finite by step {self.step + 1} "
+                     f"(lr {lr:.3g}); nothing was saved after it. The last good checkpoint is "
+                     f"{kept or 'none (no checkpoint was written yet)'}. Lower optim.lr, raise optim.warmup_steps, "
+                     "or use precision fp32.")
+        elif result.stopped == "signal":
+            self.say(f"stopped by signal at step {self.step}; checkpoint saved in "
+                     f"{self.out_dir / ckpt.CHECKPOINT_NAME}. Run the same command again to continue.")
+        else:
+            self.say(f"{'paused' if result.stopped == 'stop_after' else 'finished'} at step {self.step}; "
+                     f"checkpoint in {self.out_dir / ckpt.CHECKPOINT_NAME}, logs in {self.out_dir}")
