@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from lintrans.ops._validate import check_positive_int
+from lintrans.ops.validation import check_positive_int
 
 
 def regression_batch(

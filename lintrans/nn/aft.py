@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lintrans.ops._validate import check_positive_int
+from lintrans.ops.validation import check_positive_int
 from lintrans.ops.aft import (
     aft,
     aft_last_row,
@@ -26,7 +26,7 @@ from lintrans.ops.aft import (
     aft_window_step,
 )
 
-from .attention import KVCache, QKVAttention, _check_options
+from .attention import KVCache, QKVAttention, check_options
 from .registry import register_attention
 
 
@@ -38,7 +38,7 @@ class _AFT(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        self.opts = _check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
+        self.opts = check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
         self.block_size = config.block_size
         self.pos_bias: Optional[nn.Parameter] = None
         self.window: Optional[int] = None

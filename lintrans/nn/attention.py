@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lintrans.ops._validate import check_positive_int
+from lintrans.ops.validation import check_positive_int
 from lintrans.ops.feature_maps import FEATURE_MAPS
 from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
 
@@ -58,7 +58,7 @@ class QKVAttention(nn.Module):
         return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
 
 
-def _check_options(name: str, options: dict, allowed: dict) -> dict:
+def check_options(name: str, options: dict, allowed: dict) -> dict:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"unknown attention_options {unknown} for {name!r}; allowed: {sorted(allowed)}")
@@ -109,7 +109,7 @@ class SoftmaxAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        _check_options("softmax", dict(config.attention_options), {})
+        check_options("softmax", dict(config.attention_options), {})
 
     def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False):
         q, k, v = self.qkv(x)  # [B,T,H,D], [B,T,Hkv,D]
@@ -147,7 +147,7 @@ class NoMixingAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        _check_options("none", dict(config.attention_options), {})
+        check_options("none", dict(config.attention_options), {})
 
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         _, _, v = self.qkv(x)  # [B,T,Hkv,D]; q and k are computed and dropped, as their cost is real
@@ -212,7 +212,7 @@ class LinearAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        opts = _check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
+        opts = check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
         if opts["form"] not in FORMS:
             raise ValueError(f"attention_options['form'] must be one of {list(FORMS)}, got {opts['form']!r}")
         if opts["chunk_size"] != "auto":  # "auto": the op picks the measured fastest (lintrans tune)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._validate import FLOAT_DTYPES, check_positive_int, compute_dtype
+from ..ops.validation import FLOAT_DTYPES, check_positive_int, compute_dtype
 from ..ops.feature_maps import feature_dim_for, resolve_feature_map, squared_feature_dim, squared_features
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from lintrans.ops._validate import check_positive_int
+from lintrans.ops.validation import check_positive_int
 from lintrans.ops.sliding_window import (
     SlidingWindowCache,
     global_positions,
@@ -24,7 +24,7 @@ from lintrans.ops.sliding_window import (
     sliding_window_step,
 )
 
-from .attention import QKVAttention, _check_options
+from .attention import QKVAttention, check_options
 from .registry import register_attention
 
 
@@ -40,7 +40,7 @@ class SlidingWindowAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        opts = _check_options("sliding-window", dict(config.attention_options), self.DEFAULTS)
+        opts = check_options("sliding-window", dict(config.attention_options), self.DEFAULTS)
         check_positive_int("attention_options['window']", opts["window"])
         check_positive_int("attention_options['dilation']", opts["dilation"])
         self.window, self.dilation, self.scale = opts["window"], opts["dilation"], opts["scale"]

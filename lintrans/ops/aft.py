@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_positive_int, check_qkv, check_tensor, compute_dtype
+from .validation import check_positive_int, check_qkv, check_tensor, compute_dtype
 
 VARIANTS = ("full", "simple", "local", "conv")
 # state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_tensor
+from .validation import check_tensor
 
 DEFAULT_CHUNK_ROWS = 2048  # logits of 2048 x 50257 float32 are 411 MB; the fastest of 256..4096 on CPU
 

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_positive_int
+from .validation import check_positive_int
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ._validate import check_positive_int, check_qkv, compute_dtype
+from .validation import check_positive_int, check_qkv, compute_dtype
 from .feature_maps import resolve_feature_map
 
 State = Tuple[torch.Tensor, torch.Tensor]

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_positive_int, check_qkv, compute_dtype
+from .validation import check_positive_int, check_qkv, compute_dtype
 
 
 class SlidingWindowCache(NamedTuple):

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_qkv
+from .validation import check_qkv
 
 
 def softmax_attention(

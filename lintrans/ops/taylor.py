@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ._validate import check_qkv, compute_dtype
+from .validation import check_qkv, compute_dtype
 
 
 def taylor_polynomial(s: torch.Tensor, order: int) -> torch.Tensor:
