@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from lintrans._io import atomic_write_text
+from lintrans.checks import check_number
 
 RUNS_DIR = "runs"
 
@@ -148,8 +149,7 @@ class Runner:
 
     def __init__(self, fn_name: str, out, *, jobs: int = 1, progress: bool = True,
                  units: Callable[[dict], int] = lambda spec: spec.get("steps", 1), desc: str = ""):
-        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-            raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+        check_number("jobs", jobs, integer=True, low=1)
         self.fn_name, self.store, self.jobs = fn_name, RunStore(out), jobs
         self.progress, self.units, self.desc = progress, units, desc
         self.trained = 0  # runs trained (not found in the store) by this runner
@@ -413,8 +413,7 @@ def save(fig, path) -> Path:
 
 
 def check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    check_number(name, value, integer=True, low=minimum)
 
 
 def check_ints(name: str, values, minimum: int = 1) -> None:

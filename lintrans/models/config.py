@@ -5,14 +5,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lintrans.checks import check_number
+
 MLP_KINDS = ("gelu", "swiglu")
 GELU_APPROXIMATIONS = ("tanh", "none")
 POS_EMBEDDINGS = ("learned", "none")
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"GPTConfig.{name} must be an int >= {minimum}, got {value!r}")
+    check_number(f"GPTConfig.{name}", value, integer=True, low=minimum)
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -75,8 +76,7 @@ class GPTConfig(HeadGeometry):
                 raise ValueError(
                     f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
                 )
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        check_number("GPTConfig.dropout", self.dropout, low=0, high=1, high_open=True)
         for name in ("bias", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")

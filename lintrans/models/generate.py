@@ -5,18 +5,15 @@ from typing import Optional
 
 import torch
 
+from lintrans.checks import check_number
+
 
 def check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be None or an int, got {seed!r}")
+    check_number("max_new_tokens", max_new_tokens, integer=True, low=1)
+    check_number("temperature", temperature, low=0)  # 0 = greedy
+    check_number("top_k", top_k, integer=True, low=1, allow_none=True)
+    check_number("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
+    check_number("seed", seed, integer=True, allow_none=True)
 
 
 def sample_next(

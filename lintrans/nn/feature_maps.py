@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.validation import FLOAT_DTYPES, check_positive_int, compute_dtype
+from ..ops.validation import FLOAT_DTYPES, check_number, check_positive_int, compute_dtype
 from ..ops.feature_maps import feature_dim_for, resolve_feature_map, squared_feature_dim, squared_features
 
 __all__ = [
@@ -176,8 +176,7 @@ class Performer(nn.Module):
         super().__init__()
         check_positive_int("head_dim", head_dim)
         check_positive_int("num_features", num_features)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        check_number("seed", seed, integer=True, allow_none=True)
         self.head_dim, self.num_features, self.orthogonal, self.num_heads = head_dim, num_features, orthogonal, None
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.register_buffer("projection", torch.empty(num_features, head_dim))  # [m, d]

@@ -15,11 +15,11 @@ these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``ta
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lintrans.checks import check_number
 
 from .attention import LinearAttention
 from .registry import register_attention
@@ -93,8 +93,7 @@ class GatedLinearAttention(_GatedAttention):
     def __init__(self, config):
         super().__init__(config)
         tau = self.options["tau"]
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (tau > 0 and math.isfinite(tau)):
-            raise ValueError(f"attention_options['tau'] must be a number > 0, got {tau!r}")
+        check_number("attention_options['tau']", tau, low=0, low_open=True)
         self.gate = DecayGate(config.n_embd, self.n_head, float(tau))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:

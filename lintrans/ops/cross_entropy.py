@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validation import check_tensor
+from .validation import check_positive_int, check_tensor
 
 DEFAULT_CHUNK_ROWS = 2048  # logits of 2048 x 50257 float32 are 411 MB; the fastest of 256..4096 on CPU
 
@@ -111,8 +111,7 @@ def linear_cross_entropy(
         raise TypeError(f"targets must be an int64 tensor [N], got {getattr(targets, 'dtype', type(targets))}")
     if targets.shape != h.shape[:1]:
         raise ValueError(f"targets must have shape [N] = ({h.shape[0]},), got {tuple(targets.shape)}")
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    check_positive_int("chunk_rows", chunk_rows)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     targets = targets.long()

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .validation import check_positive_int, check_qkv, compute_dtype
+from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 from .feature_maps import resolve_feature_map
 
 State = Tuple[torch.Tensor, torch.Tensor]
@@ -291,10 +291,8 @@ def _featurize(q, k, feature_map, scale):
 def _check_scalars(normalize, scale, eps):
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {normalize!r}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number, got {scale!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    check_number("scale", scale)
+    check_number("eps", eps, low=0)
 
 
 def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> None:
@@ -360,7 +358,7 @@ def linear_attention(
     if not isinstance(form, str) or form not in FORMS:
         raise ValueError(f"form must be one of {list(FORMS)}, got {form!r}")
     if isinstance(chunk_size, str) and chunk_size != "auto" or not isinstance(chunk_size, (int, str)):
-        raise TypeError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
+        raise TypeError(f"chunk_size must be an int >= 1 or 'auto', got {chunk_size!r}")
     if chunk_size != "auto":
         check_positive_int("chunk_size", chunk_size)
     _check_scalars(normalize, scale, eps)

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .validation import check_positive_int, check_qkv, compute_dtype
+from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 
 
 class SlidingWindowCache(NamedTuple):
@@ -82,8 +82,7 @@ def _check_common(window, dilation, causal, scale):
     check_positive_int("dilation", dilation)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {scale!r}")
+    check_number("scale", scale, allow_none=True)
 
 
 def sliding_window_attention(

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .validation import check_qkv, compute_dtype
+from .validation import check_number, check_qkv, compute_dtype
 
 
 def taylor_polynomial(s: torch.Tensor, order: int) -> torch.Tensor:
@@ -39,14 +39,12 @@ def taylor_attention(
     Computed in float32 (float64 for float64 inputs) and returned in q's dtype.
     """
     _, T, _, Dk, _ = check_qkv(q, k, v)
-    if isinstance(order, bool) or not isinstance(order, int) or order < 0:
-        raise ValueError(f"order must be an int >= 0, got {order!r}")
+    check_number("order", order, integer=True, low=0)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_number("scale", scale, allow_none=True)
     if scale is None:
         scale = 1.0 / math.sqrt(Dk)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number or None, got {scale!r}")
     dtype = compute_dtype(q.dtype)
     s = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k.to(dtype)) * scale  # [B,H,T,T]
     sim = taylor_polynomial(s, order)

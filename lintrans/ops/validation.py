@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from lintrans.checks import check_number, check_positive_int  # noqa: F401 (the ops import them from here)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -40,15 +42,6 @@ def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, 
         return B, T, H, Dk, v.shape[-1]
     B, H, Dk = q.shape
     return B, 1, H, Dk, v.shape[-1]
-
-
-def check_positive_int(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

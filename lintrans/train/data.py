@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from lintrans._platform import cache_dir
+from lintrans.checks import check_number
 
 from .tokenizer import GPT2_RANKS_SHA256
 
@@ -216,8 +217,7 @@ def prepare_data(
     progress: bool = True,
 ) -> TokenData:
     """Tokenise ``source`` once (cached) and return its train/val split."""
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    check_number("data.val_fraction", val_fraction, low=0, high=1, low_open=True, high_open=True)
     if isinstance(source, TokenSource):
         return _token_file_data(source, tokenizer.vocab_size, val_fraction)
     dtype = token_dtype(tokenizer.vocab_size)

@@ -145,10 +145,10 @@ def test_global_rows_use_their_own_projections():
     "attention, opts, err, match",
     [
         ("aft-simple", {"window": 3}, ValueError, "unknown attention_options"),
-        ("aft-local", {"window": 0}, ValueError, "window'\\] must be >= 1"),
-        ("aft-conv", {"kernel": 1.5}, TypeError, "kernel'\\] must be a positive int"),
+        ("aft-local", {"window": 0}, ValueError, "window'\\] must be an int >= 1"),
+        ("aft-conv", {"kernel": 1.5}, TypeError, "kernel'\\] must be an int >= 1"),
         ("aft-full", {"per_head": "yes"}, TypeError, "per_head'\\] must be a bool"),
-        ("sliding-window", {"dilation": 0}, ValueError, "dilation'\\] must be >= 1"),
+        ("sliding-window", {"dilation": 0}, ValueError, "dilation'\\] must be an int >= 1"),
         ("sliding-window", {"global_tokens": [-2]}, ValueError, "positions must lie"),
     ],
 )

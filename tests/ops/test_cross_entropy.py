@@ -115,7 +115,7 @@ def test_low_precision_gradients_close_to_float64(dtype, tol):
         (dict(t=torch.zeros(3)), TypeError, "targets must be an int64"),
         (dict(t=torch.zeros(2, dtype=torch.long)), ValueError, r"targets must have shape \[N\]"),
         (dict(t=torch.tensor([0, 5, 1])), ValueError, r"targets must lie in \[0, 5\)"),
-        (dict(chunk_rows=0), ValueError, "chunk_rows must be a positive int"),
+        (dict(chunk_rows=0), ValueError, "chunk_rows must be an int >= 1"),
         (dict(reduction="avg"), ValueError, "reduction must be"),
     ],
 )

@@ -133,9 +133,9 @@ def test_step_from_empty_cache():
 @pytest.mark.parametrize(
     "kw, err, match",
     [
-        (dict(window=0), ValueError, "window must be >= 1"),
-        (dict(window=2.0), TypeError, "window must be a positive int"),
-        (dict(window=2, dilation=0), ValueError, "dilation must be >= 1"),
+        (dict(window=0), ValueError, "window must be an int >= 1"),
+        (dict(window=2.0), TypeError, "window must be an int >= 1"),
+        (dict(window=2, dilation=0), ValueError, "dilation must be an int >= 1"),
         (dict(window=2, causal="yes"), TypeError, "causal must be a bool"),
         (dict(window=2, global_tokens=torch.zeros(5, dtype=torch.bool)), ValueError, r"shape \[T\] = \[6\]"),
         (dict(window=2, global_tokens=[0, 6]), ValueError, r"positions must lie in \[0, 6\)"),
