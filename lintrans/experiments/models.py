@@ -85,16 +85,17 @@ def state_floats(model: GPT, seq_len: int) -> float:
 
 
 class VectorGPT(nn.Module):
-    """x [B, T, in_dim] -> [B, T, out_dim]: linear read-in, the GPT's positions (if any), blocks and
-    final LayerNorm (taken from a ``GPT`` so initialisation is the GPT's), linear read-out."""
+    """x [B, T, in_dim] -> [B, T, out_dim]: a linear read-in in place of the token embedding, the
+    GPT's positions (if any), blocks and final LayerNorm (``GPT.hidden(inputs_embeds=...)``), and a
+    linear read-out."""
 
     def __init__(self, config: GPTConfig, in_dim: int, out_dim: int = 1):
         super().__init__()
-        gpt = GPT(config.replace(vocab_size=1))  # token embedding and head are dropped below
-        self.config = gpt.config
+        self.gpt = GPT(config.replace(vocab_size=1))
+        del self.gpt.transformer["wte"]  # token embedding and (tied) head: unused with inputs_embeds
+        self.gpt.lm_head = None
+        self.config = self.gpt.config
         self.read_in = nn.Linear(in_dim, config.n_embd)
-        self.transformer = gpt.transformer
-        del self.transformer["wte"]
         self.read_out = nn.Linear(config.n_embd, out_dim)
         for layer in (self.read_in, self.read_out):
             GPT.init_weights(layer)
@@ -102,13 +103,4 @@ class VectorGPT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.read_in.in_features:
             raise ValueError(f"x must be a tensor [B, T, {self.read_in.in_features}], got {getattr(x, 'shape', x)}")
-        T = x.shape[1]
-        if "wpe" in self.transformer and T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        h = self.read_in(x)  # [B,T,C]
-        if "wpe" in self.transformer:
-            h = h + self.transformer.wpe(torch.arange(T, device=x.device))
-        h = self.transformer.drop(h)
-        for block in self.transformer.h:
-            h, _ = block(h)
-        return self.read_out(self.transformer.ln_f(h))  # [B,T,out_dim]
+        return self.read_out(self.gpt.hidden(inputs_embeds=self.read_in(x)))  # [B,T,out_dim]
