@@ -56,7 +56,7 @@ def test_state_floats_per_layer():
 def test_vector_gpt_is_causal_and_shaped():
     torch.manual_seed(0)
     model = VectorGPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=9, vocab_size=1), in_dim=3)
-    assert "wte" not in model.transformer
+    assert "wte" not in model.gpt.transformer and model.gpt.lm_head is None
     x = torch.randn(2, 9, 3)
     y = model(x)
     assert y.shape == (2, 9, 1)
