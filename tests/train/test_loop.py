@@ -264,3 +264,9 @@ def test_init_from_starts_from_the_weights_and_can_swap_attention(tiny_config, a
     assert load_model(tuned.out_dir / "checkpoint").config.attention == attention
     with pytest.raises(FileNotFoundError, match="not a local path"):
         train(tiny_config("bad", **{"train.init_from": str(teacher.out_dir / "nope")}))
+
+
+def test_invalid_attention_is_reported_as_such_when_a_run_folder_exists(tiny_config):
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    with pytest.raises(ValueError, match="attention must be one of .* got 'flash'"):
+        train(tiny_config(**{"model.attention": "flash"}))
