@@ -1,6 +1,6 @@
 """A cost model of the GPT: parameters, FLOPs, cache bytes and arithmetic intensity per component.
 
-Seed 001's accounting (a matmul [N, P] x [P, M] costs 2NPM FLOPs forward and 4NPM backward, so a
+The JAX scaling book's accounting (a matmul [N, P] x [P, M] costs 2NPM FLOPs forward and 4NPM backward, so a
 training step is 3x the forward) extended to linear attention. Notation: B batch, T context, L
 layers, D model width, N query heads, K key/value heads, h head dim, V vocabulary, F feature
 dimension of the linear map, c chunk size. Per layer, forward:
@@ -17,7 +17,7 @@ as in the JAX scaling book's transformer accounting; it is small beside the matm
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lintrans.models.config import HeadGeometry
@@ -37,10 +37,11 @@ class ModelShape(HeadGeometry):
     n_kv_head: Optional[int] = None
     bias: bool = True
     mlp: str = "gelu"
-    attention: str = "softmax"  # softmax | linear | none (no token mixing)
+    attention: str = "softmax"  # any registered mechanism that reports its cost (see core_flops)
     form: str = "chunked"
     chunk_size: int = 64
     feature_dim: Optional[int] = None  # None: the head dim (elu, relu, softplus, identity)
+    attention_options: dict = field(default_factory=dict)  # the mechanism's options (e.g. window)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -56,7 +57,7 @@ class ModelShape(HeadGeometry):
             n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, vocab_size=config.vocab_size,
             block_size=config.block_size, n_kv_head=config.n_kv_head, bias=config.bias, mlp=config.mlp,
             attention=config.attention, form=opts.get("form", "chunked"),
-            chunk_size=chunk if isinstance(chunk, int) else 64, feature_dim=fdim,
+            chunk_size=chunk if isinstance(chunk, int) else 64, feature_dim=fdim, attention_options=opts,
         )
 
     @property
@@ -88,31 +89,19 @@ def parameters(m: ModelShape, learned_positions: bool = True) -> dict[str, int]:
     return out
 
 
+def _mechanism(m: ModelShape):
+    from lintrans.nn.registry import get_attention
+
+    return get_attention(m.attention)
+
+
 def attention_core_flops(m: ModelShape, T: int, B: int = 1) -> float:
-    """Forward FLOPs of the attention mechanism itself (all layers), without its projections."""
-    N, h = m.n_head, m.head_dim
-    if m.attention == "softmax":
-        per_layer = 4 * B * N * T * T * h
-    elif m.attention == "linear":
-        F, E, c = m.F, h + 1, m.chunk_size
-        state_terms = 4 * B * N * T * F * E  # phi(k)^T v into the state, phi(q) S out of it
-        if m.form == "chunked":
-            Tp = math.ceil(T / c) * c
-            per_layer = 4 * B * N * Tp * F * E + 2 * B * N * Tp * c * (F + E)
-        elif m.form == "attention":
-            per_layer = 2 * B * N * T * T * (F + E) + state_terms
-        elif m.form == "attention_blocked":
-            inner = sum((min(s + c, T) - s) * min(s + c, T) for s in range(0, T, c))
-            per_layer = 2 * B * N * inner * (F + E) + state_terms
-        elif m.form == "attention_loop":
-            per_layer = B * N * T * (T + 1) * (F + E) + state_terms
-        else:  # state_parallel, state_loop: one F x E contraction per token (plus T F E element-wise)
-            per_layer = 2 * B * N * T * F * E
-    elif m.attention == "none":  # no token mixing: the benchmark's floor
-        per_layer = 0
-    else:
-        raise ValueError(f"attention must be 'softmax', 'linear' or 'none' for the cost model, got {m.attention!r}")
-    return float(m.n_layer * per_layer)
+    """Forward FLOPs of the attention mechanism itself (all layers), without its projections: each
+    registered mechanism reports its own (``core_flops`` of its layer class)."""
+    try:
+        return float(m.n_layer * _mechanism(m).core_flops(m, T, B))
+    except NotImplementedError as e:
+        raise ValueError(f"attention {m.attention!r}: {e}") from None
 
 
 def forward_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
@@ -164,11 +153,13 @@ def attention_crossover(m: ModelShape, T_max: int = 1 << 24) -> Optional[int]:
     return lo
 
 
-def cache_bytes(m: ModelShape, T: int, B: int = 1, dtype: str = "float32") -> dict[str, int]:
-    """What generation keeps per sequence: the softmax KV cache grows with T, the linear state does not."""
-    kv = 2 * B * m.n_layer * m.kv_heads * m.head_dim * T * DTYPE_BYTES[dtype]
-    state = B * m.n_layer * m.n_head * m.F * (m.head_dim + 1) * 4  # S and z, always float32
-    return {"kv cache": kv, "linear state": state}
+def cache_bytes(m: ModelShape, T: int, B: int = 1, dtype: str = "float32") -> int:
+    """What generation keeps per batch after T tokens, all layers: the KV cache of softmax grows
+    with T, a linear state does not (each mechanism reports its own, ``cache_bytes`` of its layer)."""
+    try:
+        return m.n_layer * _mechanism(m).cache_bytes(m, T, B, DTYPE_BYTES[dtype])
+    except NotImplementedError as e:
+        raise ValueError(f"attention {m.attention!r}: {e}") from None
 
 
 def arithmetic_intensity(m: ModelShape, T: int, B: int = 1, dtype: str = "float32") -> dict[str, float]:

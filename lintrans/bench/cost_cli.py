@@ -111,9 +111,8 @@ def run(args) -> int:
               "no mechanism can gain more (Amdahl)")
         inf_s, inf_l = forward_flops(soft, T, B)["total"], forward_flops(lin, T, B)["total"]
         print(f"  inference (forward) FLOPs: softmax {_g(inf_s)}, linear {_g(inf_l)}")
-        cb = cache_bytes(soft, T, B, args.dtype)
-        cl = cache_bytes(lin, T, B, args.dtype)
-        print(f"  generation memory: KV cache {_b(cb['kv cache'])} ({args.dtype}), linear state {_b(cl['linear state'])}")
+        cb, cl = cache_bytes(soft, T, B, args.dtype), cache_bytes(lin, T, B, args.dtype)
+        print(f"  generation memory: KV cache {_b(cb)} ({args.dtype}), linear state {_b(cl)}")
         ai = arithmetic_intensity(lin, T, B, args.dtype)
         print("  arithmetic intensity (FLOPs/byte): " + ", ".join(f"{k} {v:.1f}" for k, v in ai.items()))
     cross = attention_crossover(soft)

@@ -36,6 +36,22 @@ class _AFT(QKVAttention):
     NAME = VARIANT = ""
     DEFAULTS: dict = {}
 
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        D = shape.n_head * shape.head_dim
+        # weighted sums of exp(K) V and exp(K) over every earlier key (T^2 D each); simple: running sums
+        return 4.0 * B * T * D if cls.VARIANT == "simple" else 4.0 * B * T * T * D
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        D = shape.n_head * shape.head_dim
+        if cls.VARIANT == "simple":
+            return 2 * B * D * 4  # running sums, float32
+        if cls.VARIANT in ("local", "conv"):
+            w = cls.option(shape, "window" if cls.VARIANT == "local" else "kernel")
+            return 2 * B * D * 4 + 2 * B * D * min(w, T) * dtype_bytes  # unbiased sums + the window's keys
+        return 2 * B * D * T * dtype_bytes  # full: every key and value
+
     def __init__(self, config):
         super().__init__(config)
         self.opts = check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)

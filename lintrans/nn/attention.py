@@ -9,6 +9,7 @@ n_kv_head key/value heads, each key/value head shared by n_head // n_kv_head que
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Optional
 
 import torch
@@ -56,6 +57,23 @@ class QKVAttention(nn.Module):
     def repeat_kv(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         groups = self.n_head // self.n_kv_head
         return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+    # -- the cost model (lintrans.bench.cost) asks each mechanism for its own numbers ----------
+    # ``shape`` has n_head, head_dim, kv_heads, F (feature dim), form, chunk_size, attention_options.
+
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        """Forward FLOPs of the mechanism in one layer, projections excluded (matmuls: 2 per MAC)."""
+        raise NotImplementedError(f"the cost model has no FLOP count for {cls.__name__}")
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        """Bytes one layer keeps to continue decoding after T tokens."""
+        raise NotImplementedError(f"the cost model has no cache size for {cls.__name__}")
+
+    @classmethod
+    def option(cls, shape, name: str):
+        return {**getattr(cls, "DEFAULTS", {}), **(getattr(shape, "attention_options", None) or {})}.get(name)
 
 
 def check_options(name: str, options: dict, allowed: dict) -> dict:
@@ -107,6 +125,14 @@ class KVCache:
 class SoftmaxAttention(QKVAttention):
     """Causal scaled dot-product attention (PyTorch SDPA) with a KV cache for decoding."""
 
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        return 4.0 * B * shape.n_head * T * T * shape.head_dim  # QK^T and AV, dense
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        return 2 * B * shape.kv_heads * shape.head_dim * T * dtype_bytes  # the KV cache
+
     def __init__(self, config):
         super().__init__(config)
         check_options("softmax", dict(config.attention_options), {})
@@ -144,6 +170,14 @@ class NoMixingAttention(QKVAttention):
     every other mechanism here, so a GPT with it costs exactly everything but the mixing. The
     training benchmark uses it as the floor no attention mechanism can go below.
     """
+
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        return 0.0
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        return 0
 
     def __init__(self, config):
         super().__init__(config)
@@ -209,6 +243,27 @@ class LinearAttention(QKVAttention):
         "scale": 1.0,  # None: 1 / sqrt(head_dim)
         "eps": 1e-6,
     }
+
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        N, F, E, c = shape.n_head, shape.F, shape.head_dim + 1, shape.chunk_size  # E: v plus the ones column
+        state_terms = 4 * B * N * T * F * E  # phi(k)^T v into the state, phi(q) S out of it
+        if shape.form == "chunked":
+            Tp = math.ceil(T / c) * c
+            return float(4 * B * N * Tp * F * E + 2 * B * N * Tp * c * (F + E))
+        if shape.form == "attention":
+            return float(2 * B * N * T * T * (F + E) + state_terms)
+        if shape.form == "attention_blocked":
+            inner = sum((min(s + c, T) - s) * min(s + c, T) for s in range(0, T, c))
+            return float(2 * B * N * inner * (F + E) + state_terms)
+        if shape.form == "attention_loop":
+            return float(B * N * T * (T + 1) * (F + E) + state_terms)
+        return float(2 * B * N * T * F * E)  # state_parallel, state_loop: one F x E contraction per token
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        E = shape.head_dim + (1 if cls.option(shape, "normalize") else 0)  # S and, normalised, z
+        return B * shape.n_head * shape.F * E * 4  # the state is float32 whatever the model's dtype
 
     def __init__(self, config):
         super().__init__(config)

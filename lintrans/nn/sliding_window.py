@@ -38,6 +38,16 @@ class LongformerCache(NamedTuple):
 class SlidingWindowAttention(QKVAttention):
     DEFAULTS = {"window": 128, "dilation": 1, "global_tokens": None, "scale": None}
 
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        w = min(cls.option(shape, "window"), T)  # keys per query (global tokens left out)
+        return 4.0 * B * shape.n_head * T * w * shape.head_dim
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        ring = (cls.option(shape, "window") - 1) * cls.option(shape, "dilation") + 1
+        return 2 * B * shape.kv_heads * shape.head_dim * min(ring, T) * dtype_bytes  # the ring buffer
+
     def __init__(self, config):
         super().__init__(config)
         opts = check_options("sliding-window", dict(config.attention_options), self.DEFAULTS)

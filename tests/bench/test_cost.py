@@ -64,8 +64,9 @@ def test_softmax_attention_overtakes_at_the_closed_form_context():
 def test_kv_cache_grows_and_the_state_does_not():
     shape = ModelShape(n_layer=2, n_head=4, n_embd=64)
     small, large = cache_bytes(shape, 256), cache_bytes(shape, 16384)
-    assert large["kv cache"] == 64 * small["kv cache"] == 64 * 2 * 2 * 4 * 16 * 256 * 4
-    assert large["linear state"] == small["linear state"] == 2 * 4 * 16 * 17 * 4
+    assert large == 64 * small == 64 * 2 * 2 * 4 * 16 * 256 * 4
+    lin = ModelShape(n_layer=2, n_head=4, n_embd=64, attention="linear")
+    assert cache_bytes(lin, 16384) == cache_bytes(lin, 256) == 2 * 4 * 16 * 17 * 4
 
 
 def test_intensity_and_mfu():
@@ -80,6 +81,30 @@ def test_intensity_and_mfu():
 def test_unknown_attention_rejected():
     with pytest.raises(ValueError, match="attention must be"):
         forward_flops(ModelShape(attention="aft"), 16)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear", "gated-linear", "retention", "sliding-window",
+                                       "aft-full", "aft-local", "aft-conv", "aft-simple", "none"])
+def test_every_registered_mechanism_reports_its_cost(attention):
+    from lintrans.nn.registry import available_attention
+
+    assert attention in available_attention()
+    m = ModelShape(n_layer=2, n_head=4, n_embd=64, attention=attention)
+    f1, f2 = (forward_flops(m, T)["attention"] for T in (256, 1024))
+    assert f1 >= 0 and f2 >= f1
+    b1, b2 = cache_bytes(m, 256), cache_bytes(m, 1024)
+    assert 0 <= b1 <= b2
+
+
+def test_cost_follows_the_mechanisms_options():
+    from lintrans.bench.cost import attention_core_flops
+
+    narrow = ModelShape(n_layer=1, n_head=4, n_embd=64, attention="sliding-window", attention_options={"window": 16})
+    wide = ModelShape(n_layer=1, n_head=4, n_embd=64, attention="sliding-window", attention_options={"window": 64})
+    assert attention_core_flops(wide, 4096) == 4 * attention_core_flops(narrow, 4096) == 4 * 4 * 4 * 4096 * 16 * 16
+    assert cache_bytes(wide, 4096) == 4 * cache_bytes(narrow, 4096) == 2 * 4 * 16 * 64 * 4  # a ring of w rows (dilation 1)
+    gated = ModelShape(n_layer=1, n_head=4, n_embd=64, attention="gated-linear")  # no normaliser by default
+    assert cache_bytes(gated, 10) == 4 * 16 * 16 * 4
 
 
 def test_speedup_bounds():
