@@ -8,6 +8,7 @@ from .aft import (
     aft_window_state,
     aft_window_step,
 )
+from .cosformer import CosformerState, cosformer_attention, cosformer_attention_reference, cosformer_step
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .feature_maps import FEATURE_MAPS, feature_dim_for, resolve_feature_map
 from .linear import FORMS, linear_attention, linear_attention_reference, linear_attention_step
@@ -28,6 +29,10 @@ __all__ = [
     "aft_simple_step",
     "aft_window_state",
     "aft_window_step",
+    "CosformerState",
+    "cosformer_attention",
+    "cosformer_attention_reference",
+    "cosformer_step",
     "FEATURE_MAPS",
     "feature_dim_for",
     "linear_cross_entropy",

@@ -128,3 +128,18 @@ def test_linear_layer_accepts_auto_chunk_size(tmp_path, monkeypatch):
     torch.testing.assert_close(auto, fixed)
     with pytest.raises((ValueError, TypeError), match="chunk_size"):
         GPT(GPTConfig(**cfg, attention_options={"chunk_size": 0}))
+
+
+def test_cosformer_layer_is_the_op_on_its_projections_and_checks_max_len():
+    from lintrans.models import GPTConfig
+    from lintrans.nn.registry import get_attention
+    from lintrans.ops.cosformer import cosformer_attention_reference
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=11, attention="cosformer")
+    layer = get_attention("cosformer")(cfg).double()
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    q, k, v = layer.qkv(x)
+    want = layer.out(cosformer_attention_reference(q, k, v, max_len=32))
+    torch.testing.assert_close(layer(x)[0], want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"attention_options\['max_len'\] must be an int >= 32"):
+        get_attention("cosformer")(cfg.replace(attention_options={"max_len": 16}))
