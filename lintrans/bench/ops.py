@@ -59,14 +59,16 @@ def _gated(chunk: int, feature_map: str) -> Callable:
 
 
 def _other_ops() -> dict[str, Callable]:
-    """AFT, sliding-window and cosFormer attention beside the linear forms."""
+    """AFT, sliding-window, cosFormer and BigBird attention beside the linear forms."""
     from lintrans.ops.aft import aft
+    from lintrans.ops.bigbird import bigbird_attention
     from lintrans.ops.cosformer import cosformer_attention
     from lintrans.ops.sliding_window import sliding_window_attention
 
     return {"aft simple": lambda q, k, v: _first(aft(q, k, v, variant="simple", causal=True)),
             "sliding window 256": lambda q, k, v: _first(sliding_window_attention(q, k, v, window=256, causal=True)),
-            "cosformer": lambda q, k, v: cosformer_attention(q, k, v, causal=True)[0]}
+            "cosformer": lambda q, k, v: cosformer_attention(q, k, v, causal=True)[0],
+            "bigbird 64x(3+1+2)": lambda q, k, v: bigbird_attention(q, k, v, block_size=64, causal=True)}
 
 
 def _first(result):

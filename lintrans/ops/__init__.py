@@ -8,6 +8,7 @@ from .aft import (
     aft_window_state,
     aft_window_step,
 )
+from .bigbird import bigbird_attention, bigbird_attention_reference, bigbird_mask
 from .cosformer import CosformerState, cosformer_attention, cosformer_attention_reference, cosformer_step
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .feature_maps import FEATURE_MAPS, feature_dim_for, resolve_feature_map
@@ -29,6 +30,9 @@ __all__ = [
     "aft_simple_step",
     "aft_window_state",
     "aft_window_step",
+    "bigbird_attention",
+    "bigbird_attention_reference",
+    "bigbird_mask",
     "CosformerState",
     "cosformer_attention",
     "cosformer_attention_reference",

@@ -84,7 +84,7 @@ def test_unknown_attention_rejected():
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear", "gated-linear", "retention", "sliding-window",
-                                       "aft-full", "aft-local", "aft-conv", "aft-simple", "cosformer", "none"])
+                                       "aft-full", "aft-local", "aft-conv", "aft-simple", "cosformer", "bigbird", "none"])
 def test_every_registered_mechanism_reports_its_cost(attention):
     from lintrans.nn.registry import available_attention
 

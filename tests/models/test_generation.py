@@ -42,6 +42,7 @@ CASES = [
     ("linear", {"feature_map": "performer", "feature_map_options": {"num_features": 16}}),
     ("gated-linear", {"feature_map": "elu", "normalize": True, "chunk_size": 5}),
     ("retention", {"feature_map": "elu", "group_norm": False, "form": "state_parallel"}),
+    ("bigbird", {"block_size": 4, "window_blocks": 2, "global_blocks": 1, "random_blocks": 2, "seed": 3}),
 ]
 
 

@@ -143,3 +143,20 @@ def test_cosformer_layer_is_the_op_on_its_projections_and_checks_max_len():
     torch.testing.assert_close(layer(x)[0], want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match=r"attention_options\['max_len'\] must be an int >= 32"):
         get_attention("cosformer")(cfg.replace(attention_options={"max_len": 16}))
+
+
+def test_bigbird_layer_is_the_op_on_its_projections_and_checks_options():
+    from lintrans.models import GPTConfig
+    from lintrans.nn.registry import get_attention
+    from lintrans.ops.bigbird import bigbird_attention_reference
+
+    opts = {"block_size": 4, "window_blocks": 2, "global_blocks": 1, "random_blocks": 1, "seed": 2}
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=11, attention="bigbird",
+                    attention_options=opts)
+    layer = get_attention("bigbird")(cfg).double()
+    x = torch.randn(2, 23, 16, dtype=torch.float64)
+    q, k, v = layer.qkv(x)
+    want = layer.out(bigbird_attention_reference(q, k, v, causal=True, **opts))
+    torch.testing.assert_close(layer(x)[0], want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="window_blocks must be an int >= 1"):
+        get_attention("bigbird")(cfg.replace(attention_options={"window_blocks": 0}))

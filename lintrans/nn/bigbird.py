@@ -1,0 +1,62 @@
+"""BigBird block-sparse attention layer for the GPT, registered as ``bigbird`` (op: ``lintrans.ops.bigbird``).
+
+Options: ``block_size`` (tokens per block, 64), ``window_blocks`` (3), ``global_blocks`` (1),
+``random_blocks`` (2), ``seed`` (0: the random blocks, the same in every layer), ``scale``. Causal.
+Decoding keeps every key and value (random blocks may lie anywhere earlier) and computes each new
+row under the same mask as the forward pass, at O(T) per token like softmax's KV cache.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from lintrans.ops.bigbird import bigbird_attention, bigbird_mask
+
+from .attention import KVCache, QKVAttention, check_options
+from .registry import register_attention
+
+
+@register_attention("bigbird")
+class BigBirdAttention(QKVAttention):
+    DEFAULTS = {"block_size": 64, "window_blocks": 3, "global_blocks": 1, "random_blocks": 2, "seed": 0,
+                "scale": None}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.opts = check_options("bigbird", dict(config.attention_options), self.DEFAULTS)
+        self.pattern = {k: self.opts[k] for k in ("block_size", "window_blocks", "global_blocks", "random_blocks", "seed")}
+        bigbird_mask(1, **self.pattern)  # checks the options now, not at the first forward
+
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False):
+        q, k, v = self.qkv(x)
+        k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,T,H,D]
+        if cache is None:
+            o = bigbird_attention(q, k, v, causal=True, scale=self.opts["scale"], **self.pattern)
+            new = KVCache(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) if use_cache else None
+            return self.out(o), new
+        past, T = cache.length, x.shape[1]
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D]
+        if use_cache:
+            cache.append(kh, vh)
+            keys, values = cache.k, cache.v
+        else:
+            keys, values = torch.cat([cache.k, kh], dim=2), torch.cat([cache.v, vh], dim=2)
+        mask = bigbird_mask(past + T, start=past, causal=True, **self.pattern).to(x.device)  # [T,past+T]
+        scale = 1.0 / math.sqrt(self.head_dim) if self.opts["scale"] is None else float(self.opts["scale"])
+        s = (q.transpose(1, 2) @ keys.transpose(-1, -2)).float() * scale  # [B,H,T,L]
+        o = s.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype) @ values  # [B,H,T,D]
+        return self.out(o.transpose(1, 2)), (cache if use_cache else None)
+
+    # the cost model: per query block, its window, global and random blocks
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        c = min(cls.option(shape, "block_size"), T)
+        blocks = cls.option(shape, "window_blocks") + cls.option(shape, "global_blocks") + cls.option(shape, "random_blocks")
+        G = min(cls.option(shape, "global_blocks") * c, T)
+        return 4.0 * B * shape.n_head * shape.head_dim * (T * min(blocks * c, T) + G * T)
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        return 2 * B * shape.n_head * shape.head_dim * T * dtype_bytes  # every key and value
