@@ -130,7 +130,9 @@ def run(args) -> int:
         print(f"\nmatmul peak (float32, measured): {_g(peak)}FLOP/s")
         for name, shape, times in (("softmax", soft, args.step_time), ("linear", lin, args.linear_step_time)):
             for T, t in zip(args.T, times or []):
-                f = training_flops(shape, T, B)["total"]
+                tf = training_flops(shape, T, B)
+                # softmax: the causal half of T^2 that the kernel (SDPA) computes, not the dense count
+                f = tf["total"] - tf["attention"] / 2 if shape.attention == "softmax" else tf["total"]
                 u = mfu(f, t, peak)
                 print(f"  {name} T={T}: {_g(f / t)}FLOP/s achieved, MFU {100 * u:.1f}%"
                       + ("  <- above 100%: this step time cannot come from a machine with this peak (was it "

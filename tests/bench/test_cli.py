@@ -160,3 +160,14 @@ def test_demo_writes_its_record_to_a_folder_it_names(tmp_path, monkeypatch, caps
     assert main(["demo"]) == 0
     assert seen and all(str(o) == "runs/demo" for o in seen)  # never docs/results/demo unless asked
     assert f"record written to {tmp_path / 'runs' / 'demo'}/" in capsys.readouterr().out
+
+
+def test_cost_mfu_of_softmax_counts_the_causal_half(capsys):
+    from lintrans.bench.cost import ModelShape, training_flops
+
+    assert main(["cost", "--size", "12L-128", "--vocab", "50257", "--T", "16384", "--step-time", "10",
+                 "--peak-tflops", "1"]) == 0
+    out = capsys.readouterr().out
+    tf = training_flops(ModelShape(n_layer=12, n_head=2, n_embd=128, vocab_size=50257, block_size=1024), 16384)
+    causal = (tf["total"] - tf["attention"] / 2) / 10 / 1e12
+    assert f"softmax T=16384: " in out and f"MFU {100 * causal:.1f}%" in out
