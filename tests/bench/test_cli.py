@@ -170,4 +170,4 @@ def test_cost_mfu_of_softmax_counts_the_causal_half(capsys):
     out = capsys.readouterr().out
     tf = training_flops(ModelShape(n_layer=12, n_head=2, n_embd=128, vocab_size=50257, block_size=1024), 16384)
     causal = (tf["total"] - tf["attention"] / 2) / 10 / 1e12
-    assert f"softmax T=16384: " in out and f"MFU {100 * causal:.1f}%" in out
+    assert "softmax T=16384: " in out and f"MFU {100 * causal:.1f}%" in out

@@ -1,14 +1,12 @@
 """BigBird block-sparse attention against dense float64 softmax under its own mask."""
 import pytest
 import torch
+from qkv import random_qkv
 
 from lintrans.ops.bigbird import bigbird_attention, bigbird_attention_reference, bigbird_mask, block_pattern
 
 
-def inputs(B, T, H, Dk, Dv, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, Dk, generator=g, dtype=dtype) for _ in range(2))
-    return q, k, torch.randn(B, T, H, Dv, generator=g, dtype=dtype)
+inputs = random_qkv
 
 
 PATTERNS = [dict(block_size=4, window_blocks=3, global_blocks=1, random_blocks=2),

@@ -1,6 +1,7 @@
 """cosFormer against its explicit O(T^2) float64 double sum: outputs, gradients, split calls, decoding, errors."""
 import pytest
 import torch
+from qkv import random_qkv
 
 from lintrans.ops.cosformer import (
     CosformerState,
@@ -10,10 +11,7 @@ from lintrans.ops.cosformer import (
 )
 
 
-def inputs(B, T, H, Dk, Dv, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, Dk, generator=g, dtype=dtype) for _ in range(2))
-    return q, k, torch.randn(B, T, H, Dv, generator=g, dtype=dtype)
+inputs = random_qkv
 
 
 @pytest.mark.parametrize("causal", [True, False])

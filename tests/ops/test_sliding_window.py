@@ -1,6 +1,7 @@
 """Longformer sliding-window attention against the dense float64 reference: outputs, gradients, decoding, errors."""
 import pytest
 import torch
+from qkv import random_qkv
 
 from lintrans.ops.sliding_window import (
     SlidingWindowCache,
@@ -12,10 +13,7 @@ from lintrans.ops.sliding_window import (
 from lintrans.ops.softmax import softmax_attention_reference
 
 
-def inputs(B, T, H, Dk, Dv, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, Dk, generator=g, dtype=dtype) for _ in range(2))
-    return q, k, torch.randn(B, T, H, Dv, generator=g, dtype=dtype)
+inputs = random_qkv
 
 
 GLOBALS = [None, [0], "mask"]
