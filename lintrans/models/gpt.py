@@ -130,18 +130,20 @@ class GPT(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
+    def _check_length(self, length: int) -> None:
+        if self.config.pos_embedding == "learned" and length > self.config.block_size:
+            raise ValueError(
+                f"sequence length {length} exceeds block_size {self.config.block_size} "
+                "(learned position embeddings cover positions 0..block_size-1)"
+            )
+
     def _check_idx(self, idx, past: int, check_ids: bool = True) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
             got = getattr(idx, "dtype", type(idx).__name__)
             raise TypeError(f"idx must be an int64 (or int32) tensor of token ids [B, T], got {got}")
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must have shape [B, T] with T >= 1, got {tuple(idx.shape)}")
-        T = idx.shape[1]
-        if self.config.pos_embedding == "learned" and past + T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {past + T} exceeds block_size {self.config.block_size} "
-                "(learned position embeddings cover positions 0..block_size-1)"
-            )
+        self._check_length(past + idx.shape[1])
         if check_ids and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
             raise ValueError(
                 f"token ids must be in [0, {self.config.vocab_size - 1}] (vocab_size {self.config.vocab_size}), "
@@ -167,8 +169,7 @@ class GPT(nn.Module):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.config.n_embd or x.shape[1] < 1:
                 raise ValueError(f"inputs_embeds must be a tensor [B, T, {self.config.n_embd}] with T >= 1, "
                                  f"got {tuple(getattr(x, 'shape', ()))}")
-            if self.config.pos_embedding == "learned" and past + x.shape[1] > self.config.block_size:
-                raise ValueError(f"sequence length {past + x.shape[1]} exceeds block_size {self.config.block_size}")
+            self._check_length(past + x.shape[1])
         T = x.shape[1]
         if "wpe" in self.transformer:
             pos = torch.arange(past, past + T, device=x.device)
