@@ -44,7 +44,6 @@ DEFAULT = {
     "mechanisms": ["softmax", "linear:elu", "linear:based", "linear:rebased", "sliding-window:window=8",
                    "gated-linear"],
     "shapes": [[64, 4], [128, 8]],  # [width, heads]: head size 16
-    "sweep_shape": [64, 4],
     "lrs": [1e-3, 2e-3, 4e-3],
     "seeds": 3,
     "n_layer": 2,
@@ -58,7 +57,6 @@ DEFAULT = {
 QUICK = {
     "mechanisms": ["softmax", "linear:elu"],
     "shapes": [[16, 2], [32, 2]],
-    "sweep_shape": [16, 2],
     "seeds": 2,
     "vocab_size": 64,
     "pairs": 4,
@@ -80,8 +78,6 @@ def validate(s: dict) -> None:
     if not isinstance(s["shapes"], list) or not s["shapes"] or not all(
             isinstance(x, list) and len(x) == 2 for x in s["shapes"]):
         raise ValueError(f"shapes must be a list of [width, heads] pairs, got {s['shapes']!r}")
-    if s["sweep_shape"] not in s["shapes"]:
-        raise ValueError(f"sweep_shape {s['sweep_shape']} must be one of shapes {s['shapes']}")
     if s["vocab_size"] < 2 * s["pairs"] or s["vocab_size"] % 2:
         raise ValueError(f"vocab_size ({s['vocab_size']}) must be even and >= 2 * pairs ({2 * s['pairs']})")
     for width, heads in s["shapes"]:
@@ -162,7 +158,9 @@ def _final(result: dict):
 def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
     runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
     sweep, runs = study.sweep_and_seeds(
-        runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["shapes"], sweep_point=s["sweep_shape"],
+        runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["shapes"],
+        # a rate per shape: the rate chosen at width 64 left width 128 at chance (the first version-2 record)
+        sweep_point=study.EACH_POINT,
         spec_for=lambda m, shape, lr, seed: run_spec(s, m, shape, lr, seed), score=_final,
         fields=lambda shape: {"width": shape[0], "heads": shape[1]})
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs), "runs_trained": runner.trained}
@@ -197,8 +195,9 @@ def table(record: dict) -> str:
             a = p["accuracy"]["mean"]
             cells.append(f"{('diverged' if a is None else f'{a:.3f}') + ' (%.3g)' % p['state_floats']:>22}")
         lines.append(f"{m:<{w}}" + "".join(cells))
-    lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs; "
-                 f"lr per mechanism: {record['sweep']['chosen']})")
+    lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs)")
+    for sw in record["sweep"]:
+        lines.append(f"lr per mechanism at width {sw['width']}: {sw['chosen']}")
     return "\n".join(lines)
 
 
@@ -235,7 +234,6 @@ def plot(record: dict, out) -> list:
     study.finish_panels(fig, axes, "training step", "held-out accuracy", f"learning curves (band: seeds)\n{setting}")
     paths.append(study.save(fig, out / f"{NAME}_curves.png"))
 
-    w, h = s["sweep_shape"]
-    paths.append(study.plot_sweep(record["sweep"], out / f"{NAME}_lr_sweep.png",
-                                  f"width {w}, {h} heads\n{setting}", "held-out loss at queries"))
+    paths.append(study.plot_sweep(record["sweep"], out / f"{NAME}_lr_sweep.png", setting, "held-out loss at queries",
+                                  panel_title=lambda sw: f"width {sw['width']}, {sw['heads']} heads"))
     return paths

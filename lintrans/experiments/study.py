@@ -234,21 +234,34 @@ def lr_sweep(runner: Runner, specs: dict, score: Callable[[dict], Optional[float
     return {"chosen": chosen, "table": table}
 
 
+EACH_POINT = "each"  # sweep_point value: sweep the rate at every point, not at one
+
+
 def sweep_and_seeds(runner: Runner, mechanisms: list, *, lrs: list, seeds: int, spec_for: Callable,
                     score: Callable, points: list = (None,), sweep_point=None, name: str = "attention",
-                    fields: Callable = lambda point: {}) -> tuple[dict, list]:
+                    fields: Callable = lambda point: {}) -> tuple:
     """The two phases of a study. ``spec_for(mechanism, point, lr, seed)`` is a run's spec.
 
-    1. ``lr_sweep`` of every mechanism over ``lrs`` at ``sweep_point``, seed 0;
+    1. ``lr_sweep`` of every mechanism over ``lrs``, seed 0, at ``sweep_point`` (or, with
+       ``sweep_point=EACH_POINT``, at every point of ``points``: a rate per mechanism and point);
     2. every mechanism at every point of ``points`` with seeds 0..seeds-1 at its chosen rate.
-    Returns (sweep, runs); each run is {name: mechanism, **fields(point), seed, lr, key, **result}.
+    Returns (sweep, runs): sweep is one ``lr_sweep`` result, or with EACH_POINT a list of them, one
+    per point, each with ``fields(point)``; each run is {name: mechanism, **fields(point), seed, lr,
+    key, **result}.
     """
-    sweep = lr_sweep(runner, {m: [spec_for(m, sweep_point, lr, 0) for lr in lrs] for m in mechanisms}, score)
-    grid = [(m, p, seed) for m in mechanisms for p in points for seed in range(seeds)]
-    specs = [spec_for(m, p, sweep["chosen"][m], seed) for m, p, seed in grid]
+    each = isinstance(sweep_point, str) and sweep_point == EACH_POINT
+    at = list(points) if each else [sweep_point]
+    # every sweep run in one batch, so that --jobs N runs them in parallel; lr_sweep then reads the store
+    runner.run([spec_for(m, p, lr, 0) for p in at for m in mechanisms for lr in lrs])
+    sweeps = [lr_sweep(runner, {m: [spec_for(m, p, lr, 0) for lr in lrs] for m in mechanisms}, score) for p in at]
+    chosen = [sw["chosen"] for sw in sweeps]
+    grid = [(m, i, p, seed) for m in mechanisms for i, p in enumerate(points) for seed in range(seeds)]
+    specs = [spec_for(m, p, chosen[i if each else 0][m], seed) for m, i, p, seed in grid]
     runs = [{name: m, **fields(p), "seed": seed, "lr": spec["lr"], "key": run_key(spec), **result}
-            for (m, p, seed), spec, result in zip(grid, specs, runner.run(specs))]
-    return sweep, runs
+            for (m, _, p, seed), spec, result in zip(grid, specs, runner.run(specs))]
+    if each:
+        return [{**fields(p), **sw} for p, sw in zip(at, sweeps)], runs
+    return sweeps[0], runs
 
 
 def spread(values) -> dict:
@@ -380,25 +393,33 @@ def band(ax, x, curves: list[list], label: str = None, color=None, marker=None, 
     return line.get_color()
 
 
-def plot_sweep(sweep: dict, path, title: str, score_label: str) -> Path:
-    """Held-out score against learning rate per mechanism, the chosen rate circled."""
+def plot_sweep(sweep, path, title: str, score_label: str, panel_title: Callable = None) -> Path:
+    """Held-out score against learning rate per mechanism, the chosen rate circled. ``sweep`` is one
+    ``lr_sweep`` result, or a list of them (``sweep_point=EACH_POINT``), drawn as panels titled
+    ``panel_title(sweep)``."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mech, rows in sweep["table"].items():
-        ok = [r for r in rows if r["score"] is not None]
-        (line,) = ax.plot([r["lr"] for r in ok], [r["score"] for r in ok], marker="o", ms=4, label=mech)
-        best = [r for r in ok if r["lr"] == sweep["chosen"][mech]]
-        ax.plot([best[0]["lr"]], [best[0]["score"]], "o", ms=11, mfc="none", color=line.get_color())
-        for r in rows:
-            if r["score"] is None:  # diverged: marked at the top edge
-                ax.annotate("x", (r["lr"], 1), xycoords=("data", "axes fraction"), color=line.get_color(),
-                            ha="center", va="top")
-    ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate (seed 0)")
-    ax.set_ylabel(score_label)
-    ax.set_title(f"learning-rate sweep, {title}\ncircled = chosen (lowest), x = diverged", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    sweeps = sweep if isinstance(sweep, list) else [sweep]
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(6 if len(sweeps) == 1 else 4.2 * len(sweeps), 4),
+                             squeeze=False)
+    for ax, sw in zip(axes[0], sweeps):
+        for mech, rows in sw["table"].items():
+            ok = [r for r in rows if r["score"] is not None]
+            (line,) = ax.plot([r["lr"] for r in ok], [r["score"] for r in ok], marker="o", ms=4, label=mech)
+            best = [r for r in ok if r["lr"] == sw["chosen"][mech]]
+            ax.plot([best[0]["lr"]], [best[0]["score"]], "o", ms=11, mfc="none", color=line.get_color())
+            for r in rows:
+                if r["score"] is None:  # diverged: marked at the top edge
+                    ax.annotate("x", (r["lr"], 1), xycoords=("data", "axes fraction"), color=line.get_color(),
+                                ha="center", va="top")
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate (seed 0)")
+        ax.set_ylabel(score_label)
+        if panel_title is not None:
+            ax.set_title(panel_title(sw), fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"learning-rate sweep, {title}\ncircled = chosen (lowest), x = diverged", fontsize=8)
+    fig.tight_layout()
     return save(fig, path)
 
 

@@ -32,7 +32,13 @@ def check_recall(data):
     points = data["summary"]["points"]["linear:elu"]
     assert [[p["width"], p["heads"]] for p in points] == s["shapes"]
     assert all(p["state_floats"] > 0 and p["accuracy"]["n"] == s["seeds"] for p in points)
-    return len(s["mechanisms"]) * (len(s["lrs"]) + len(s["shapes"]) * s["seeds"] - 1)
+    # a rate swept per shape, and each shape's runs trained at its own shape's choice
+    assert [[sw["width"], sw["heads"]] for sw in data["sweep"]] == s["shapes"]
+    for sw in data["sweep"]:
+        for r in data["runs"]:
+            if [r["width"], r["heads"]] == [sw["width"], sw["heads"]]:
+                assert r["lr"] == sw["chosen"][r["attention"]]
+    return len(s["mechanisms"]) * len(s["shapes"]) * (len(s["lrs"]) + s["seeds"] - 1)
 
 
 def check_regression(data):
@@ -71,8 +77,9 @@ def test_quick_study_writes_its_record_and_resumes(name, tmp_path, capsys):
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert data["study"] == name and "cpu" in data["machine"] and data["settings"]["quick"] is True
     mechanisms = data["settings"].get("mechanisms") or data["settings"]["maps"]
-    assert set(data["sweep"]["chosen"]) == set(mechanisms)
-    assert all(len(rows) == len(data["settings"]["lrs"]) for rows in data["sweep"]["table"].values())
+    for sweep in data["sweep"] if isinstance(data["sweep"], list) else [data["sweep"]]:
+        assert set(sweep["chosen"]) == set(mechanisms)
+        assert all(len(rows) == len(data["settings"]["lrs"]) for rows in sweep["table"].values())
     for png in pngs:
         assert (tmp_path / f"{name}_{png}.png").read_bytes()[:4] == b"\x89PNG", png
     n_runs = check({**data, "runs_dir": tmp_path / "runs"})
@@ -131,8 +138,8 @@ def test_quick_does_not_default_to_the_record_folder():
     ("context", ["--jobs", "0"], "--jobs"),
     ("context", ["--lrs", "2"], "lrs"),
     ("context", ["--set", "contexts=64"], "contexts"),
-    ("recall", ["--set", "shapes=[[30,4]]", "--set", "sweep_shape=[30,4]"], "divisible"),
-    ("recall", ["--set", "sweep_shape=[8,2]"], "sweep_shape"),
+    ("recall", ["--set", "shapes=[[30,4]]"], "divisible"),
+    ("recall", ["--set", "sweep_shape=[8,2]"], "unknown setting"),
     ("recall", ["--set", "vocab_size=4"], "vocab_size"),
     ("recall", ["--mechanisms", "sliding-window:bogus=1"], "bogus"),
     ("regression", ["--set", "eval_points=3"], "eval_points"),
