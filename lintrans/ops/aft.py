@@ -20,7 +20,8 @@ Never builds a [T, T, D] tensor. Paths:
   matmul; both max shifts cancel in the ratio. When causal and a huge key comes late (a row's largest
   term would sit more than UNDERFLOW_GAP below the shared reference), query chunks with per-row
   references (the running max of k) instead.
-- simple: log-cumsum-exp scans, O(T*D).
+- simple: two cumulative sums against the largest key, O(T*D); log-cumsum-exp scans when a huge
+  key late in the sequence would leave earlier rows to underflow.
 - local/conv on long sequences: the biased band [B, H, T, W, D] plus unbiased prefix/suffix sums from
   the same scans, O(T*W*D), no [T, T] matrix.
 """
@@ -236,6 +237,23 @@ def _aft_simple_causal(k, v):
     return torch.exp(la - l1) - torch.exp(lb - l1)
 
 
+def _aft_simple_causal_cumsum(k, v):
+    """The same as ``_aft_simple_causal`` by two plain cumulative sums, k, v: [B,T,H,D] (any layout).
+
+    One reference per channel, the largest key M: every term exp(k_j - M) <= 1. Row t's largest
+    term is at least exp(k_0 - M) (its prefix holds key 0), so while M - k_0 < UNDERFLOW_GAP no row
+    loses its leading terms; the caller checks that and otherwise takes the log-space scans.
+    """
+    e = torch.exp(k - k.detach().amax(dim=1, keepdim=True))  # [B,T,H,D] <= 1
+    return torch.cumsum(e * v, dim=1) / torch.cumsum(e, dim=1)
+
+
+def _simple_gap_ok(k) -> bool:
+    """Whether the cumsum path is exact for keys k [B,T,H,D]: the largest gap M - k_0 (see above)."""
+    kd = k.detach()
+    return float((kd.amax(dim=1) - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype]
+
+
 def aft(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -262,12 +280,16 @@ def aft(
     if variant == "conv" and not causal and pos_bias.shape[-1] % 2 == 0:
         raise ValueError(f"a non-causal conv kernel must have odd width, got pos_bias {tuple(pos_bias.shape)}")
     dtype = compute_dtype(q.dtype)
+    if variant == "simple" and causal:
+        k32, v32 = k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T with H*D contiguous
+        if _simple_gap_ok(k32):  # keys of ordinary size: two cumsums
+            mean = _aft_simple_causal_cumsum(k32, v32)
+        else:  # a huge key late in the sequence: the log-space scans
+            mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
+        return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
     kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
-    if variant == "simple":
-        if causal:
-            mean = _aft_simple_causal(kh, vh)
-        else:
-            mean = (torch.softmax(kh, dim=2) * vh).sum(2, keepdim=True).expand_as(vh)
+    if variant == "simple":  # not causal: one softmax over all keys
+        mean = (torch.softmax(kh, dim=2) * vh).sum(2, keepdim=True).expand_as(vh)
     elif variant == "full":
         logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]
         mean = _aft_causal(kh, vh, logw) if causal else _aft_dense(kh, vh, logw)
