@@ -112,46 +112,40 @@ def sliding_window_attention(
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
-    qh = qh * scale
     back, fwd = _band_reach(window, dilation, causal)
-    C = min(T, max(32, min(window * dilation, 128)))  # query block; keys per block L = C + back + fwd
+    # query blocks of C rows, each against the L = C + back + fwd keys its bands cover (plus the
+    # global keys), through torch's fused SDPA: no [T, L] scores or probabilities are kept
+    C = min(T, 64)
     n = -(-T // C)
     L = C + back + fwd
-    pad_end = n * C - T + fwd
-    kp = F.pad(kh, (0, 0, back, pad_end))  # [B,H,back+nC+fwd,Dk]
-    vp = F.pad(vh, (0, 0, back, pad_end))
-    kb = kp.unfold(2, L, C).contiguous()  # [B,H,n,Dk,L] key slice of each query block (bmm is slow on the view)
-    vb = vp.unfold(2, L, C).transpose(-1, -2).contiguous()  # [B,H,n,L,Dv]
+    kp = F.pad(kh, (0, 0, back, n * C - T + fwd))  # [B,H,back+nC+fwd,Dk]
+    vp = F.pad(vh, (0, 0, back, n * C - T + fwd))
+    kb = kp.unfold(2, L, C).transpose(-1, -2)  # [B,H,n,L,Dk] key slice of each query block
+    vb = vp.unfold(2, L, C).transpose(-1, -2)  # [B,H,n,L,Dv]
     qb = F.pad(qh, (0, 0, 0, n * C - T)).reshape(B, H, n, C, Dk)
-    scores = qb @ kb  # [B,H,n,C,L]
-    # query t = b*C + i, key j = b*C + l - back; allowed when in the band and 0 <= j < T
-    i = torch.arange(C, device=q.device)
-    l = torch.arange(L, device=q.device)
-    j = torch.arange(n, device=q.device)[:, None] * C + l[None, :] - back  # [n,L]
-    allowed = _in_band(i[:, None] + back - l[None, :], window, dilation, causal)[None] & ((j >= 0) & (j < T))[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf")).reshape(B, H, n * C, L)[:, :, :T]  # [B,H,T,L]
-    def band_output(p):  # [B,H,T,L] probabilities -> [B,H,T,Dv]
-        pb = F.pad(p, (0, 0, 0, n * C - T)).reshape(B, H, n, C, L)
-        return (pb @ vb).reshape(B, H, n * C, Dv)[:, :, :T]
-
-    if gidx is None or gidx.numel() == 0:
-        o = band_output(scores.softmax(-1))
-    else:
+    # query t = b*C + i, key j = b*C + l - back: allowed in the band with 0 <= j < T; a padding row
+    # (t >= T) sees its own padding key, so that no row is empty (an empty row's softmax is NaN)
+    i = torch.arange(C, device=q.device)[:, None]  # [C,1]
+    l = torch.arange(L, device=q.device)[None, :]  # [1,L]
+    t = torch.arange(n, device=q.device)[:, None, None] * C + i  # [n,C,1]
+    j = t - i + l - back  # [n,C,L] key position
+    allowed = (_in_band(i + back - l, window, dilation, causal) & (j >= 0) & (j < T)) | ((t >= T) & (j == t))
+    if gidx is not None and gidx.numel():
         # extra columns: every query against the global keys not already in its band (no double count)
-        t = torch.arange(T, device=q.device)
-        off = t[:, None] - gidx[None, :]  # [T,G]
-        extra = ~_in_band(off, window, dilation, causal)
+        off = t - gidx  # [n,C,G]
+        extra = ~_in_band(off, window, dilation, causal) & (t < T)
         if causal:
             extra &= off > 0
-        sg = (qh @ kh[:, :, gidx].transpose(-1, -2)).masked_fill(~extra, float("-inf"))  # [B,H,T,G]
-        p = torch.cat([scores, sg], dim=-1).softmax(-1)  # [B,H,T,L+G]
-        o = band_output(p[..., :L]) + p[..., L:] @ vh[:, :, gidx]
-        if not global_rows:
-            return o.transpose(1, 2).to(q.dtype)  # [B,T,H,Dv]
+        kb = torch.cat([kb, kh[:, :, None, gidx].expand(B, H, n, -1, Dk)], dim=3)  # [B,H,n,L+G,Dk]
+        vb = torch.cat([vb, vh[:, :, None, gidx].expand(B, H, n, -1, Dv)], dim=3)
+        allowed = torch.cat([allowed.expand(n, C, L), extra], dim=-1)  # [n,C,L+G]
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale)  # [B,H,n,C,Dv]
+    o = o.reshape(B, H, n * C, Dv)[:, :, :T]  # [B,H,T,Dv]
+    if gidx is not None and gidx.numel() and global_rows:
         # global rows: dense softmax over every key (every earlier key when causal); [G,T] scores only
-        sgl = qh[:, :, gidx] @ kh.transpose(-1, -2)  # [B,H,G,T]
+        sgl = (qh[:, :, gidx] * scale) @ kh.transpose(-1, -2)  # [B,H,G,T]
         if causal:
-            sgl = sgl.masked_fill(t[None, :] > gidx[:, None], float("-inf"))
+            sgl = sgl.masked_fill(torch.arange(T, device=q.device)[None, :] > gidx[:, None], float("-inf"))
         o = o.index_copy(2, gidx, sgl.softmax(-1) @ vh)
     return o.transpose(1, 2).to(q.dtype)  # [B,T,H,Dv]
 
