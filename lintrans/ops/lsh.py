@@ -39,7 +39,7 @@ SELF_SCORE = -1e5  # a token's score with itself (the paper's 10^5 penalty)
 LOOKBACKS = ("chunk", "window")
 
 
-def _check_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback) -> None:
+def check_lsh_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback) -> None:
     check_number("n_buckets", n_buckets, integer=True, low=1)
     if n_buckets > 1 and n_buckets % 2:
         raise ValueError(f"n_buckets must be 1 or an even int >= 2 (the hash is an argmax over "
@@ -83,7 +83,7 @@ def lsh_buckets(qk: torch.Tensor, *, n_buckets: int, n_hashes: int = 2, seed: in
     Hashed in float64 whatever qk's dtype, so that a token gets the same bucket whether it is
     hashed alone (decoding) or with the whole sequence (a rounding tie would otherwise differ)."""
     check_tensor("qk", qk, 4, "[B, T, H, D]")
-    _check_options(n_buckets, n_hashes, 1, seed, True, "chunk")
+    check_lsh_options(n_buckets, n_hashes, 1, seed, True, "chunk")
     B, T, H, D = qk.shape
     if n_buckets == 1:
         return torch.zeros(B, H, n_hashes, T, dtype=torch.long, device=qk.device)
@@ -119,7 +119,7 @@ def lsh_mask(buckets: torch.Tensor, *, chunk_size: int, causal: bool = True, loo
         raise TypeError("buckets must be an int64 tensor [B, H, n_hashes, T] (from lsh_buckets)")
     T = buckets.shape[-1]
     check_number("start", start, integer=True, low=0, high=T - 1)
-    _check_options(2, 1, chunk_size, 0, causal, lookback)
+    check_lsh_options(2, 1, chunk_size, 0, causal, lookback)
     _, rank = _ranks(buckets)  # [B,H,R,T]
     same = buckets[..., start:, None] == buckets[..., None, :]  # [B,H,R,T-start,T]
     m = (same & _near(rank[..., start:, None], rank[..., None, :], chunk_size, lookback)).any(dim=2)
@@ -161,11 +161,11 @@ def lsh_attention(
     itself and its neighbour chunk(s) only. Computed in float32 (float64 for float64 inputs),
     returned in qk's dtype; the buckets are returned with ``output_buckets=True``."""
     B, T, H, D, Dv = _check_inputs(qk, v)
-    _check_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback)
+    check_lsh_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback)
     check_number("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = compute_dtype(qk.dtype)
-    R, c = n_hashes, chunk_size
+    R, c = n_hashes, min(chunk_size, T)  # a chunk longer than T allows what a chunk of T does
     n = math.ceil(T / c)
 
     buckets = lsh_buckets(qk, n_buckets=n_buckets, n_hashes=R, seed=seed)  # [B,H,R,T]
@@ -178,35 +178,54 @@ def lsh_attention(
     none = torch.full_like(q_pos[..., :1, :], T)
     shifted = {-1: torch.cat([none, q_pos[..., :-1, :]], dim=-2), 0: q_pos,
                1: torch.cat([q_pos[..., 1:, :], none], dim=-2)}
-    reach = (-1, 0, 1) if lookback == "window" and not causal else (-1, 0)
+    reach = (0,) if n == 1 else (-1, 0, 1) if lookback == "window" and not causal else (-1, 0)
     k_pos = torch.cat([shifted[s] for s in reach], dim=-1)  # [B,H,R,n,Kc]: keys of each query chunk
 
-    valid = k_pos[..., None, :] < T  # [B,H,R,n,1,Kc]
-    if causal:
-        valid = valid & (k_pos[..., None, :] <= q_pos[..., :, None])
-    # a pair's mask in every round (its buckets and sorted places there): its own round's is the
-    # mask, the count N_ij of rounds that allow it removes the duplicates across rounds
-    pad = lambda t, value: F.pad(t, (0, 1), value=value)  # noqa: E731  (the "no token" row)
-    count, own = 0, []
+    # Per round one integer per token such that a pair is allowed in that round iff the key's lies
+    # in [query's - lo, query's + hi]: same bucket and near in the sorted order (window: places
+    # at most c apart, only earlier ones when causal; chunk: the same chunk or the one before).
+    # Buckets are spaced wider than any such range; the "no token" row is far from every token.
+    if lookback == "window":
+        packed, lo, hi = buckets * (2 * T + 4 * c) + rank, c, 0 if causal else c
+    else:
+        packed, lo, hi = buckets * (2 * n + 4) + torch.div(rank, c, rounding_mode="floor"), 1, 0
+    small = n_buckets * (2 * T + 4 * c) < 2**30
+    packed = F.pad(packed.to(torch.int32 if small else torch.int64), (0, 1), value=-(2**30 if small else 2**40))
+    causal_pairs = k_pos[..., None, :] <= q_pos[..., :, None] if causal and lookback == "chunk" else None
+    # every round's verdict on each pair: its own round's is the mask; N_ij, the number of rounds
+    # that allow a pair, counts its duplicates
+    count, own = None, []
     for r in range(R):
-        b_r, rank_r = pad(buckets[:, :, r], -1), pad(rank[:, :, r], -2 * (n + 2) * c)
-        same = _take(b_r, q_pos)[..., :, None] == _take(b_r, k_pos)[..., None, :]
-        ok = same & _near(_take(rank_r, q_pos)[..., :, None], _take(rank_r, k_pos)[..., None, :], c, lookback) & valid
-        count = count + ok.to(torch.int8 if R < 128 else torch.int16)
+        kq, kk = _take(packed[:, :, r], q_pos)[..., :, None], _take(packed[:, :, r], k_pos)[..., None, :]
+        ok = (kk >= kq - lo) & (kk <= kq + hi)  # [B,H,R,n,c,Kc]
+        if causal_pairs is not None:
+            ok &= causal_pairs
         own.append(ok[:, :, r])
+        if R > 1:
+            count = ok.to(dtype) if count is None else count.add_(ok)
     allowed = torch.stack(own, dim=2)  # [B,H,R,n,c,Kc]
 
     s = (_gather(x, q_pos) * scale) @ _gather(keys, k_pos).transpose(-1, -2)  # [B,H,R,n,c,Kc]
-    s = s.masked_fill(q_pos[..., :, None] == k_pos[..., None, :], SELF_SCORE)
-    if R > 1:
-        s = s - count.clamp(min=1).to(dtype).log()
-    s = s.masked_fill(~allowed, torch.finfo(dtype).min)  # finite: padded query rows stay finite
-    lse = s.logsumexp(dim=-1)  # [B,H,R,n,c]
-    o = torch.exp(s - lse[..., None]) @ _gather(vals, k_pos)  # [B,H,R,n,c,Dv]
-    # back to positions, then each round weighted by exp(its logsumexp - the one over rounds)
+    if R > 1:  # each key counted once over the rounds: log N_ij off its score wherever it is allowed
+        s = s - torch.where(allowed, count.log_(), math.inf)
+    else:
+        s = s.masked_fill(~allowed, float("-inf"))
+    # the self pair: query slot t of a chunk is key slot t of the same chunk; every row keeps this
+    # finite entry (padded slots included), so no row is all -inf
+    self_pair = torch.zeros(c, len(reach) * c, dtype=torch.bool, device=qk.device)
+    self_pair[:, reach.index(0) * c:][:, :c].fill_diagonal_(True)
+    s = s.masked_fill(self_pair, SELF_SCORE)
+    p = s.softmax(dim=-1)
+    o = p @ _gather(vals, k_pos)  # [B,H,R,n,c,Dv]
     o = o.reshape(B, H, R, n * c, Dv).gather(3, rank[..., None].expand(-1, -1, -1, -1, Dv))  # [B,H,R,T,Dv]
-    w = lse.reshape(B, H, R, n * c).gather(3, rank).softmax(dim=2)  # [B,H,R,T]
-    o = (w[..., None] * o).sum(dim=2)  # [B,H,T,Dv]
+    if R > 1:
+        # each round weighted by exp(its logsumexp - the one over rounds); lse = s_a - log p_a at
+        # a row's largest score a, one gather instead of a second pass of exp
+        a = s.argmax(dim=-1, keepdim=True)
+        lse = (s.gather(-1, a) - p.gather(-1, a).log()).reshape(B, H, R, n * c).gather(3, rank)  # [B,H,R,T]
+        o = (lse.softmax(dim=2)[..., None] * o).sum(dim=2)  # [B,H,T,Dv]
+    else:
+        o = o[:, :, 0]
     return o.transpose(1, 2).to(qk.dtype), (buckets if output_buckets else None)
 
 
@@ -214,20 +233,21 @@ def shared_qk_attention(qk: torch.Tensor, v: torch.Tensor, *, causal: bool = Tru
                         mask: Optional[torch.Tensor] = None, start: int = 0) -> torch.Tensor:
     """Dense shared-QK softmax attention with the self rule (O(T^2)): rows start..T-1 of
     softmax_j(scale * qk_i . qk_j / ||qk_j||) v_j, s_ii = SELF_SCORE, restricted to ``mask``
-    [B, H, T - start, T] (and j <= i when causal). In the dtype of the inputs:
-    [B, T - start, H, Dv]. What LSH attention approximates, and (with ``lsh_mask``) what it computes."""
+    [B, H, T - start, T] (and j <= i when causal). Computed in float32 (float64 for float64
+    inputs), returned in qk's dtype: [B, T - start, H, Dv]. What LSH attention approximates, and (with ``lsh_mask``) what it computes."""
     T, D = qk.shape[1], qk.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    q = qk[:, start:].transpose(1, 2)  # [B,H,T-start,D]
-    keys = F.normalize(qk.transpose(1, 2), dim=-1)  # [B,H,T,D]
+    dtype = compute_dtype(qk.dtype)
+    q = qk[:, start:].transpose(1, 2).to(dtype)  # [B,H,T-start,D]
+    keys = F.normalize(qk.transpose(1, 2).to(dtype), dim=-1)  # [B,H,T,D]
     s = (q @ keys.transpose(-1, -2)) * scale  # [B,H,T-start,T]
     rows, cols = torch.arange(start, T, device=qk.device)[:, None], torch.arange(T, device=qk.device)[None, :]
     s = s.masked_fill(rows == cols, SELF_SCORE)
     allowed = torch.ones_like(s, dtype=torch.bool) if mask is None else mask
     if causal:
         allowed = allowed & (cols <= rows)
-    o = s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.transpose(1, 2)  # [B,H,T-start,Dv]
-    return o.transpose(1, 2)
+    o = s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.transpose(1, 2).to(dtype)  # [B,H,T-start,Dv]
+    return o.transpose(1, 2).to(qk.dtype)
 
 
 def lsh_attention_reference(qk, v, *, n_buckets, n_hashes=2, chunk_size=64, causal=True, seed=0, scale=None,
