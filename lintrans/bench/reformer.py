@@ -64,8 +64,8 @@ def lsh_error(T: int = 1024, H: int = 4, D: int = 64, chunk_size: int = 64, n_bu
     return rows
 
 
-def reversible_memory(device: str, layers=(2, 4, 8, 16), attentions=("softmax", "reformer"), T: int = 2048,
-                      B: int = 2, n_embd: int = 512, n_head: int = 8) -> list[dict]:
+def reversible_memory(device: str, layers=(2, 4, 8, 16), attentions=("softmax", "reformer"), T: int = 1024,
+                      B: int = 1, n_embd: int = 128, n_head: int = 4) -> list[dict]:
     """Peak memory and time of one training step (forward + backward) of a GPT against depth,
     ordinary and reversible."""
     from lintrans.models import GPT, GPTConfig
@@ -83,14 +83,14 @@ def reversible_memory(device: str, layers=(2, 4, 8, 16), attentions=("softmax", 
                 model = GPT(cfg).to(device)
                 idx = torch.randint(0, 512, (B, T), device=device)
 
-                def step():
-                    model.zero_grad(set_to_none=True)
+                def step():  # gradient buffers kept: the peak is activations, not new parameter-sized buffers
+                    model.zero_grad(set_to_none=False)
                     model(idx, idx, return_logits=False)[1].backward()
 
                 step()  # warm-up (and gradients allocated)
                 peak = peak_memory(step, device)
                 times = []
-                for _ in range(3):
+                for _ in range(2):
                     synchronize(device)
                     t0 = time.perf_counter()
                     step()

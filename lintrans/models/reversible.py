@@ -6,9 +6,9 @@ Each block maps two streams (x1, x2) to
     y2 = x2 + G(y1),   G = mlp(ln_2(.))
 
 and its inputs follow from its outputs: x2 = y2 - G(y1), x1 = y1 - F(x2). So training keeps only
-the last block's outputs: ``reversible_blocks`` runs the stack under one autograd Function that
-stores (y1, y2) alone and, going backward, rebuilds each block's inputs and recomputes F and G with
-autograd one block at a time. Activation memory does not grow with depth; the price is one more
+the last block's outputs: ``reversible_blocks`` runs each block as an autograd Function that keeps
+nothing (the last one keeps its outputs) and, going backward, rebuilds the block's inputs from its
+outputs, recomputes F and G with autograd, and hands the rebuilt inputs to the block before. Activation memory does not grow with depth; the price is one more
 forward of every block, and inputs rebuilt by subtraction (exact in exact arithmetic, rounded in
 floating point). Dropout (any random op in F or G) is replayed: the RNG state before each F and G
 is saved in the forward and restored for the recomputation, so the masks are the same.
@@ -16,8 +16,6 @@ is saved in the forward and restored for the recomputation, so the masks are the
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
@@ -53,56 +51,55 @@ def _halves(block: nn.Module) -> tuple[list, list]:
     return f, g
 
 
-class _ReversibleBlocks(torch.autograd.Function):
+class _Outputs:
+    """Passed down the chain of blocks in the backward pass: the outputs of the block whose backward
+    runs next, rebuilt by the block after it (the last block's are the only ones stored)."""
+
+    outputs: tuple = ()
+
+
+class _ReversibleBlock(torch.autograd.Function):
+    """One block whose backward rebuilds its inputs from its outputs. One Function per block, so
+    each block's parameter gradients are handed to autograd (and freed) as soon as they exist."""
+
     @staticmethod
-    def forward(ctx, x1, x2, blocks, replay_rng, *params):
-        ctx.blocks, ctx.params = blocks, params
+    def forward(ctx, x1, x2, block, chain, last, replay_rng, *params):
         dev = x1.device
+        ctx.block, ctx.chain, ctx.last = block, chain, last
         ctx.amp = (dev.type, torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
-        ctx.rng = []
-        for block in blocks:  # autograd is off in here: nothing but the last outputs is kept
-            f_state = _rng_state(dev) if replay_rng else None
-            y1 = x1 + block.attend(x2)[0]
-            g_state = _rng_state(dev) if replay_rng else None
-            x1, x2 = y1, x2 + block.feed(y1)
-            ctx.rng.append((f_state, g_state))
-        ctx.save_for_backward(x1, x2)
-        return x1, x2
+        f_state = _rng_state(dev) if replay_rng else None
+        y1 = x1 + block.attend(x2)[0]  # autograd is off in here: nothing is kept
+        g_state = _rng_state(dev) if replay_rng else None
+        y2 = x2 + block.feed(y1)
+        ctx.rng = (f_state, g_state)
+        if last:
+            ctx.save_for_backward(y1, y2)
+        return y1, y2
 
     @staticmethod
     def backward(ctx, dy1, dy2):
-        y1, y2 = ctx.saved_tensors
+        if ctx.last:
+            ctx.chain.outputs = ctx.saved_tensors
+        y1, y2 = ctx.chain.outputs
         dy1 = torch.zeros_like(y1) if dy1 is None else dy1
         dy2 = torch.zeros_like(y2) if dy2 is None else dy2
-        where = {id(p): i for i, p in enumerate(ctx.params)}
-        grads: list[Optional[torch.Tensor]] = [None] * len(ctx.params)
-
-        def collect(params, got):
-            for p, gp in zip(params, got):
-                if gp is not None:
-                    i = where[id(p)]
-                    grads[i] = gp if grads[i] is None else grads[i] + gp
-
+        block, (f_state, g_state) = ctx.block, ctx.rng
+        f_params, g_params = _halves(block)
         dev_type, amp_on, amp_dtype = ctx.amp
-        dev = y1.device
-        for block, (f_state, g_state) in zip(reversed(ctx.blocks), reversed(ctx.rng)):
-            f_params, g_params = _halves(block)
-            with torch.enable_grad(), torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_on):
-                y1_ = y1.detach().requires_grad_()
-                with _replayed(g_state, dev):
-                    g = block.feed(y1_)
-                gy1, *gp = torch.autograd.grad(g, [y1_, *g_params], dy2, allow_unused=True)
-            collect(g_params, gp)
-            dy1 = dy1 + gy1  # y1 reaches the loss directly and through G
-            x2 = y2 - g.detach()
-            with torch.enable_grad(), torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_on):
-                x2_ = x2.detach().requires_grad_()
-                with _replayed(f_state, dev):
-                    f = block.attend(x2_)[0]
-                gx2, *fp = torch.autograd.grad(f, [x2_, *f_params], dy1, allow_unused=True)
-            collect(f_params, fp)
-            y1, y2, dy2 = y1 - f.detach(), x2, dy2 + gx2  # this block's inputs and their gradients
-        return (dy1, dy2, None, None, *grads)
+        with torch.enable_grad(), torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_on):
+            y1_ = y1.detach().requires_grad_()
+            with _replayed(g_state, y1.device):
+                g = block.feed(y1_)
+            gy1, *g_grads = torch.autograd.grad(g, [y1_, *g_params], dy2, allow_unused=True)
+        dy1 = dy1 + gy1  # y1 reaches the loss directly and through G
+        x2 = y2 - g.detach()
+        with torch.enable_grad(), torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_on):
+            x2_ = x2.detach().requires_grad_()
+            with _replayed(f_state, y1.device):
+                f = block.attend(x2_)[0]
+            gx2, *f_grads = torch.autograd.grad(f, [x2_, *f_params], dy1, allow_unused=True)
+        ctx.chain.outputs = (y1 - f.detach(), x2)  # this block's inputs: the block before's outputs
+        return (dy1, dy2 + gx2, None, None, None, None, *f_grads, *g_grads)
 
 
 def reversible_blocks(blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor, *, replay_rng: bool = False,
@@ -115,5 +112,8 @@ def reversible_blocks(blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor,
         for block in blocks:
             x1, x2, _ = reversible_step(block, x1, x2)
         return x1, x2
-    params = [p for p in blocks.parameters() if p.requires_grad]
-    return _ReversibleBlocks.apply(x1, x2, blocks, replay_rng, *params)
+    chain = _Outputs()
+    for i, block in enumerate(blocks):
+        f_params, g_params = _halves(block)
+        x1, x2 = _ReversibleBlock.apply(x1, x2, block, chain, i == len(blocks) - 1, replay_rng, *f_params, *g_params)
+    return x1, x2

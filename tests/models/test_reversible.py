@@ -159,3 +159,13 @@ def test_reversible_config_errors():
         GPTConfig(reversible="yes")
     with pytest.raises(ValueError, match="gradient_checkpointing must be False"):
         GPTConfig(reversible=True, gradient_checkpointing=True)
+
+
+def test_a_retained_graph_gives_the_same_gradients_twice():
+    m = model("reformer")
+    idx = torch.randint(0, 29, (2, 13), generator=torch.Generator().manual_seed(6))
+    loss = m(idx, idx)[1]
+    params = list(m.parameters())
+    first = torch.autograd.grad(loss, params, retain_graph=True)
+    for a, b in zip(first, torch.autograd.grad(loss, params)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
