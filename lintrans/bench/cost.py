@@ -73,9 +73,10 @@ class ModelShape(HeadGeometry):
 
 def parameters(m: ModelShape, learned_positions: bool = True) -> dict[str, int]:
     """Parameter count per component (tied embedding counted once, as ``embedding``)."""
-    D, h, N, K, b = m.n_embd, m.head_dim, m.n_head, m.kv_heads, int(m.bias)
+    D, b = m.n_embd, int(m.bias)
     ln = (1 + b) * D
-    attn = D * (N + 2 * K) * h + b * (N + 2 * K) * h + D * D + b * D
+    qkv = _mechanism(m).qkv_width(m)
+    attn = D * qkv + b * qkv + D * D + b * D
     n_in = 1 if m.mlp == "gelu" else 2
     mlp = n_in * D * m.mlp_hidden + b * n_in * m.mlp_hidden + m.mlp_hidden * D + b * D
     out = {
@@ -106,10 +107,10 @@ def attention_core_flops(m: ModelShape, T: int, B: int = 1) -> float:
 
 def forward_flops(m: ModelShape, T: int, B: int = 1) -> dict[str, float]:
     """Forward FLOPs per component for B sequences of T tokens."""
-    D, h, N, K = m.n_embd, m.head_dim, m.n_head, m.kv_heads
+    D = m.n_embd
     n_in = 1 if m.mlp == "gelu" else 2
     out = {
-        "qkv projections": m.n_layer * 2.0 * B * T * D * (N + 2 * K) * h,
+        "qkv projections": m.n_layer * 2.0 * B * T * D * _mechanism(m).qkv_width(m),
         "output projection": m.n_layer * 2.0 * B * T * D * D,
         "mlp": m.n_layer * 2.0 * B * T * D * m.mlp_hidden * (n_in + 1),
         "attention": attention_core_flops(m, T, B),

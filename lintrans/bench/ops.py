@@ -59,16 +59,23 @@ def _gated(chunk: int, feature_map: str) -> Callable:
 
 
 def _other_ops() -> dict[str, Callable]:
-    """AFT, sliding-window, cosFormer and BigBird attention beside the linear forms."""
+    """AFT, sliding-window, cosFormer, BigBird and Reformer attention beside the linear forms
+    (Reformer's shared query-key is q; k goes unused)."""
     from lintrans.ops.aft import aft
     from lintrans.ops.bigbird import bigbird_attention
     from lintrans.ops.cosformer import cosformer_attention
+    from lintrans.ops.lsh import lsh_attention
     from lintrans.ops.sliding_window import sliding_window_attention
 
     return {"aft simple": lambda q, k, v: _first(aft(q, k, v, variant="simple", causal=True)),
             "sliding window 256": lambda q, k, v: _first(sliding_window_attention(q, k, v, window=256, causal=True)),
             "cosformer": lambda q, k, v: cosformer_attention(q, k, v, causal=True)[0],
-            "bigbird 64x(3+1+2)": lambda q, k, v: bigbird_attention(q, k, v, block_size=64, causal=True)}
+            "bigbird 64x(3+1+2)": lambda q, k, v: bigbird_attention(q, k, v, block_size=64, causal=True),
+            REFORMER_OP: lambda q, k, v: lsh_attention(q, v, n_buckets=64, n_hashes=2, chunk_size=64, causal=True,
+                                                       lookback="window")[0]}
+
+
+REFORMER_OP = "reformer 2 hashes 64 buckets"
 
 
 def _first(result):

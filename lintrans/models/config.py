@@ -48,6 +48,9 @@ class GPTConfig(HeadGeometry):
     n_head, 1 = multi-query). gelu_approximate: ``tanh`` is GPT-2's GELU (Hugging Face parity),
     ``none`` the exact erf GELU nanoGPT uses. pos_embedding ``none`` drops learned positions
     (then context length is not limited by block_size for mechanisms that do not need it).
+    reversible: the Reformer's reversible residual layers (two streams, activations recomputed in
+    the backward pass, so their memory does not grow with n_layer); the same parameters as the
+    ordinary GPT, a different function of them (``lintrans.models.reversible``).
     """
 
     n_layer: int = 12
@@ -64,6 +67,7 @@ class GPTConfig(HeadGeometry):
     gelu_approximate: str = "tanh"
     gradient_checkpointing: bool = False
     pos_embedding: str = "learned"
+    reversible: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -77,9 +81,12 @@ class GPTConfig(HeadGeometry):
                     f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
                 )
         check_number("GPTConfig.dropout", self.dropout, low=0, high=1, high_open=True)
-        for name in ("bias", "gradient_checkpointing"):
+        for name in ("bias", "gradient_checkpointing", "reversible"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reversible and self.gradient_checkpointing:
+            raise ValueError("GPTConfig.reversible already recomputes every block in the backward pass: "
+                             "gradient_checkpointing must be False with it")
         if not isinstance(self.attention, str):
             raise TypeError(f"GPTConfig.attention must be a str, got {self.attention!r}")
         if not isinstance(self.attention_options, dict):

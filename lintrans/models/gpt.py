@@ -14,6 +14,7 @@ from lintrans.nn.registry import get_attention
 from lintrans.ops.cross_entropy import linear_cross_entropy
 
 from .config import GPTConfig
+from .reversible import reversible_blocks, reversible_step
 
 
 def swiglu_hidden(n_embd: int) -> int:
@@ -55,10 +56,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
+    def attend(self, x: torch.Tensor, cache=None, use_cache: bool = False):
+        """The attention half of the block, without its residual: (attn(ln_1(x)), cache)."""
+        return self.attn(self.ln_1(x), cache=cache, use_cache=use_cache)
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half, without its residual: mlp(ln_2(x))."""
+        return self.mlp(self.ln_2(x))
+
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
-        a, cache = self.attn(self.ln_1(x), cache=cache, use_cache=use_cache)
+        a, cache = self.attend(x, cache=cache, use_cache=use_cache)
         x = x + a
-        return x + self.mlp(self.ln_2(x)), cache
+        return x + self.feed(x), cache
 
 
 class GenerationCache:
@@ -175,16 +184,31 @@ class GPT(nn.Module):
             pos = torch.arange(past, past + T, device=x.device)
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
-        for i, block in enumerate(self.transformer.h):
-            if cache is not None:
-                x, cache.layers[i] = block(x, cache=cache.layers[i], use_cache=True)
-            elif self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, _ = checkpoint(block, x, use_reentrant=False)
-            else:
-                x, _ = block(x)
+        if self.config.reversible:
+            x = self._reversible(x, cache)
+        else:
+            for i, block in enumerate(self.transformer.h):
+                if cache is not None:
+                    x, cache.layers[i] = block(x, cache=cache.layers[i], use_cache=True)
+                elif self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                    x, _ = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x, _ = block(x)
         if cache is not None:
             cache.length = past + T
         return self.transformer.ln_f(x)
+
+    def _reversible(self, x: torch.Tensor, cache: Optional[GenerationCache]) -> torch.Tensor:
+        """The blocks as reversible layers: the embedding goes into both streams, and their mean
+        into ``ln_f`` (so the parameters are the ordinary GPT's, and the head stays tied)."""
+        x1 = x2 = x
+        if cache is not None:
+            for i, block in enumerate(self.transformer.h):
+                x1, x2, cache.layers[i] = reversible_step(block, x1, x2, cache.layers[i], use_cache=True)
+        else:
+            x1, x2 = reversible_blocks(self.transformer.h, x1, x2,
+                                       replay_rng=self.training and self.config.dropout > 0)
+        return (x1 + x2) / 2
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *, return_logits: bool = True):
         """idx [B, T] token ids -> (logits [B, T, V] for every position, mean cross-entropy or None).

@@ -171,6 +171,8 @@ def config_to_hf(config: GPTConfig) -> dict:
         problems.append("bias=False")
     if config.pos_embedding != "learned":
         problems.append(f"pos_embedding={config.pos_embedding!r}")
+    if config.reversible:
+        problems.append("reversible=True")
     if problems:
         raise ValueError(
             f"the Hugging Face GPT-2 format cannot express {', '.join(problems)}; save with save_model() instead"

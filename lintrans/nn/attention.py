@@ -62,6 +62,11 @@ class QKVAttention(nn.Module):
     # ``shape`` has n_head, head_dim, kv_heads, F (feature dim), form, chunk_size, attention_options.
 
     @classmethod
+    def qkv_width(cls, shape) -> int:
+        """Output width of ``c_attn``: n_head query heads and kv_heads key and value heads."""
+        return (shape.n_head + 2 * shape.kv_heads) * shape.head_dim
+
+    @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
         """Forward FLOPs of the mechanism in one layer, projections excluded (matmuls: 2 per MAC)."""
         raise NotImplementedError(f"the cost model has no FLOP count for {cls.__name__}")

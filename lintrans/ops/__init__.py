@@ -13,6 +13,7 @@ from .cosformer import CosformerState, cosformer_attention, cosformer_attention_
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .feature_maps import FEATURE_MAPS, feature_dim_for, resolve_feature_map
 from .linear import FORMS, linear_attention, linear_attention_reference, linear_attention_step
+from .lsh import lsh_attention, lsh_attention_reference, lsh_buckets, lsh_mask, shared_qk_attention
 from .sliding_window import (
     sliding_window_attention,
     sliding_window_attention_reference,
@@ -45,7 +46,12 @@ __all__ = [
     "linear_attention",
     "linear_attention_reference",
     "linear_attention_step",
+    "lsh_attention",
+    "lsh_attention_reference",
+    "lsh_buckets",
+    "lsh_mask",
     "resolve_feature_map",
+    "shared_qk_attention",
     "sliding_window_attention",
     "sliding_window_attention_reference",
     "sliding_window_cache",

@@ -19,6 +19,8 @@ CONFIGS = [
     ("linear", {"form": "attention_blocked", "chunk_size": 16}, 50, {}),
     ("linear", {"form": "state_parallel"}, 40, {}),
     ("none", {}, 64, {}),  # the no-mixing floor: every matmul but the attention
+    ("reformer", {"n_buckets": 8, "chunk_size": 16, "n_hashes": 3}, 72, {}),  # one shared qk projection
+    ("reformer", {"n_buckets": 1, "chunk_size": 64}, 40, {}),  # one chunk, no hashing
 ]
 
 
@@ -43,7 +45,7 @@ def test_flops_match_flop_counter(attention, opts, T, extra):
     assert train.get_total_flops() == pytest.approx(training_flops(shape, T, 2)["total"], rel=0.05)
 
 
-@pytest.mark.parametrize("attention,opts,T,extra", CONFIGS[:4])
+@pytest.mark.parametrize("attention,opts,T,extra", CONFIGS[:4] + CONFIGS[-1:])
 def test_parameters_match_the_model(attention, opts, T, extra):
     model, shape = _model(attention, opts, extra)
     counts = parameters(shape)
@@ -84,7 +86,8 @@ def test_unknown_attention_rejected():
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear", "gated-linear", "retention", "sliding-window",
-                                       "aft-full", "aft-local", "aft-conv", "aft-simple", "cosformer", "bigbird", "none"])
+                                       "aft-full", "aft-local", "aft-conv", "aft-simple", "cosformer", "bigbird", "reformer",
+                                       "none"])
 def test_every_registered_mechanism_reports_its_cost(attention):
     from lintrans.nn.registry import available_attention
 

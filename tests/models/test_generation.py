@@ -43,6 +43,7 @@ CASES = [
     ("gated-linear", {"feature_map": "elu", "normalize": True, "chunk_size": 5}),
     ("retention", {"feature_map": "elu", "group_norm": False, "form": "state_parallel"}),
     ("bigbird", {"block_size": 4, "window_blocks": 2, "global_blocks": 1, "random_blocks": 2, "seed": 3}),
+    ("reformer", {"n_buckets": 4, "n_hashes": 3, "chunk_size": 3, "seed": 1}),
 ]
 
 

@@ -90,6 +90,9 @@ def test_save_hf_refuses_what_gpt2_cannot_express(tmp_path):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11, attention="linear"))
     with pytest.raises(ValueError, match="cannot express attention='linear'.*save_model"):
         save_hf(model, tmp_path)
+    rev = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11, reversible=True))
+    with pytest.raises(ValueError, match="cannot express reversible=True"):
+        save_hf(rev, tmp_path)
 
 
 def test_lintrans_checkpoint_round_trip_with_learned_feature_map(tmp_path):

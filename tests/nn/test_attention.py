@@ -160,3 +160,25 @@ def test_bigbird_layer_is_the_op_on_its_projections_and_checks_options():
     torch.testing.assert_close(layer(x)[0], want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="window_blocks must be an int >= 1"):
         get_attention("bigbird")(cfg.replace(attention_options={"window_blocks": 0}))
+
+
+def test_reformer_layer_is_the_op_on_its_shared_projection_and_checks_options():
+    from lintrans.models import GPTConfig
+    from lintrans.nn.registry import get_attention
+    from lintrans.ops.lsh import lsh_attention_reference
+
+    opts = {"n_buckets": 4, "n_hashes": 2, "chunk_size": 4, "seed": 2}
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=11, attention="reformer",
+                    attention_options=opts)
+    layer = get_attention("reformer")(cfg).double()
+    assert layer.c_attn.weight.shape == (32, 16)  # shared qk and v: 2C, not 3C
+    x = torch.randn(2, 23, 16, dtype=torch.float64)
+    qk, v = (x @ layer.c_attn.weight.T + layer.c_attn.bias).reshape(2, 23, 2, 2, 8).unbind(2)
+    want = layer.out(lsh_attention_reference(qk, v, causal=True, lookback="window", **opts))
+    torch.testing.assert_close(layer(x)[0], want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="n_buckets must be 1 or an even int"):
+        get_attention("reformer")(cfg.replace(attention_options={"n_buckets": 5}))
+    with pytest.raises(ValueError, match="n_kv_head must be None or n_head"):
+        get_attention("reformer")(cfg.replace(n_kv_head=1))
+    with pytest.raises(ValueError, match="unknown attention_options"):
+        get_attention("reformer")(cfg.replace(attention_options={"lookback": "chunk"}))
