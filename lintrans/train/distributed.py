@@ -3,6 +3,7 @@ each sequence split over a context-parallel group; a no-op when run plainly."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import resource
 import sys
@@ -97,6 +98,9 @@ def init_distributed(device_name: str, context_parallel: int = 1) -> DistInfo:
 
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
+        # free what still refers to the groups (a sharded model's device mesh sits in reference
+        # cycles) while the interpreter is whole: gloo groups torn down during its exit can abort it
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -209,7 +209,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     cfg.validate()
     info = init_distributed(cfg.train.device, cfg.train.context_parallel)
     try:
-        return _train(cfg, info)
+        result = _train(cfg, info)
+        barrier(info)  # every process done with its collectives before any tears its connections down
+        return result
     finally:
         shutdown(info)
 
