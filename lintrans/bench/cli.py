@@ -246,6 +246,12 @@ def build_profile(args) -> Profile:
 
 
 def run(args) -> int:
+    from lintrans.train.distributed import resolve_device
+
+    try:
+        args.device = str(resolve_device(args.device, what="--device"))
+    except ValueError as e:
+        raise SystemExit(f"lintrans bench: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     prof = build_profile(args)

@@ -31,7 +31,14 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from lintrans.train.distributed import resolve_device
+
     dtype = getattr(torch, args.dtype)
+    try:
+        args.device = str(resolve_device(args.device, what="--device"))
+    except ValueError as e:
+        print(f"lintrans tune: {e}", file=sys.stderr)
+        return 2
     if min(args.T) < 1 or args.head_dim < 1:
         print(f"lintrans tune: --T and --head-dim must be >= 1, got --T {args.T} --head-dim {args.head_dim}",
               file=sys.stderr)

@@ -103,6 +103,7 @@ class GPT(nn.Module):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         get_attention(config.attention)  # unknown name -> ValueError listing the registered ones
         self.config = config
+        self.context_parallel = None  # (group, rank, size): set_context_parallel
         layers = dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -128,6 +129,25 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def set_context_parallel(self, group) -> None:
+        """Split every sequence over the ranks of ``group`` (a torch.distributed ProcessGroup; None:
+        off): each rank then passes its contiguous slice of the tokens, in rank order, with positions
+        offset to match, and the attention layers exchange their states (``lintrans.ops.context_parallel``).
+        Only mechanisms whose class sets ``CONTEXT_PARALLEL`` can; others raise a ValueError naming them."""
+        if group is not None:
+            import torch.distributed as dist
+
+            from lintrans.nn.registry import context_parallel_attention
+
+            if not all(getattr(b.attn, "CONTEXT_PARALLEL", False) for b in self.transformer.h):
+                raise ValueError(f"attention {self.config.attention!r} cannot split a sequence over processes; "
+                                 f"context parallelism works with {context_parallel_attention()}")
+            group = (group, dist.get_rank(group), dist.get_world_size(group))
+        self.context_parallel = group
+        for block in self.transformer.h:
+            if getattr(block.attn, "CONTEXT_PARALLEL", False):
+                block.attn.context_parallel = None if group is None else group[0]
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the position embedding (nanoGPT's convention:
@@ -170,6 +190,10 @@ class GPT(nn.Module):
     def _hidden(self, idx: Optional[torch.Tensor], cache: Optional[GenerationCache], check_ids: bool = True,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         past = 0 if cache is None else cache.length
+        if self.context_parallel is not None:  # this rank holds tokens [rank * T, (rank + 1) * T) of each sequence
+            if cache is not None:
+                raise NotImplementedError("generation with a context-parallel model: call set_context_parallel(None)")
+            past = self.context_parallel[1] * (idx if inputs_embeds is None else inputs_embeds).shape[1]
         if inputs_embeds is None:
             self._check_idx(idx, past, check_ids)
             x = self.transformer.wte(idx)  # [B,T,C]

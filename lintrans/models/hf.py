@@ -272,11 +272,14 @@ def _lintrans_config(cfg: dict) -> Optional[dict]:
     return cfg if "n_layer" in cfg and "model_type" not in cfg else None
 
 
-def save_model(model: GPT, folder, extra_config: Optional[dict] = None) -> Path:
-    """Write ``folder/model.safetensors`` + ``folder/config.json`` ({"model": GPTConfig dict, ...extra})."""
+def save_model(model: GPT, folder, extra_config: Optional[dict] = None, state: Optional[dict] = None) -> Path:
+    """Write ``folder/model.safetensors`` + ``folder/config.json`` ({"model": GPTConfig dict, ...extra}).
+
+    ``state``: the weights to write instead of ``model.state_dict()`` (a sharded model's, gathered whole)."""
     folder = Path(folder)
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd model saves its plain names
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    state = model.state_dict() if state is None else state
+    state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied to wte
     _write_safetensors(folder / "model.safetensors", state, metadata={"format": "pt", "lintrans": "gpt"})
     _write_json(folder / "config.json", {**(extra_config or {}), "model": model.config.to_dict()})
     return folder

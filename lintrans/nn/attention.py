@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lintrans.ops.validation import check_positive_int
 from lintrans.ops.feature_maps import FEATURE_MAPS
+from lintrans.ops.context_parallel import context_parallel_linear_attention
 from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
 
 from .feature_maps import Hedgehog, Performer, ReBased
@@ -176,6 +177,8 @@ class NoMixingAttention(QKVAttention):
     training benchmark uses it as the floor no attention mechanism can go below.
     """
 
+    CONTEXT_PARALLEL = True  # nothing crosses positions, so a split sequence needs nothing exchanged
+
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
         return 0.0
@@ -237,6 +240,8 @@ class LinearAttention(QKVAttention):
     """
 
     NAME = "linear"
+    CONTEXT_PARALLEL = True  # GPT.set_context_parallel: the state crosses processes, not the keys
+    context_parallel = None  # the ProcessGroup when set
     DEFAULTS = {
         "feature_map": "elu",
         "feature_map_options": {},  # constructor arguments of a module feature map
@@ -311,6 +316,11 @@ class LinearAttention(QKVAttention):
                 q[:, 0], k[:, 0], v[:, 0], cache, feature_map=phi, log_decay=step_ld, **self.kw
             )
             o = o[:, None]  # [B,1,H,D]
+        elif self.context_parallel is not None:  # this rank's slice of a sequence split over processes
+            o, state = context_parallel_linear_attention(
+                q, k, v, group=self.context_parallel, form=self.form, feature_map=phi, chunk_size=self.chunk_size,
+                log_decay=ld, **self.kw,
+            )
         else:
             o, state = linear_attention(
                 q, k, v, form=self.form, feature_map=phi, chunk_size=self.chunk_size,

@@ -45,3 +45,9 @@ def get_attention(name: str) -> type:
     if name not in _REGISTRY:
         raise ValueError(f"attention must be one of {sorted(_REGISTRY)}, got {name!r}")
     return _REGISTRY[name]
+
+
+def context_parallel_attention() -> list[str]:
+    """Mechanisms that can split a sequence over processes (their class sets ``CONTEXT_PARALLEL``)."""
+    _load_providers()
+    return sorted(name for name, cls in _REGISTRY.items() if getattr(cls, "CONTEXT_PARALLEL", False))

@@ -9,6 +9,7 @@ from .aft import (
     aft_window_step,
 )
 from .bigbird import bigbird_attention, bigbird_attention_reference, bigbird_mask
+from .context_parallel import context_parallel_linear_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_attention_reference, cosformer_step
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .feature_maps import FEATURE_MAPS, feature_dim_for, resolve_feature_map
@@ -38,6 +39,7 @@ __all__ = [
     "cosformer_attention",
     "cosformer_attention_reference",
     "cosformer_step",
+    "context_parallel_linear_attention",
     "FEATURE_MAPS",
     "feature_dim_for",
     "linear_cross_entropy",

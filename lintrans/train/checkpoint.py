@@ -37,8 +37,12 @@ def find_checkpoint(out_dir) -> Path | None:
     return None
 
 
-def save_checkpoint(out_dir, model, optimizer, trainer_state: dict, train_config: dict, extra_config: dict) -> Path:
-    """Write the checkpoint of ``model`` (unwrapped, not DDP/compiled) and ``optimizer``; returns its path."""
+def save_checkpoint(out_dir, model, optimizer, trainer_state: dict, train_config: dict, extra_config: dict,
+                    model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
+    """Write the checkpoint of ``model`` (unwrapped, not DDP/compiled) and ``optimizer``; returns its path.
+
+    ``model_state``, ``optimizer_state``: their state dicts when not their own (a sharded model's,
+    gathered whole: ``lintrans.train.distributed.full_state_dicts``)."""
     from safetensors.torch import save_file
 
     from lintrans.models.hf import save_model
@@ -48,8 +52,8 @@ def save_checkpoint(out_dir, model, optimizer, trainer_state: dict, train_config
     final, old = out_dir / CHECKPOINT_NAME, out_dir / (CHECKPOINT_NAME + ".old")
     tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}.tmp-", dir=out_dir))
     try:
-        save_model(model, tmp, extra_config=extra_config)
-        tensors, opt_meta = _optimizer_to_flat(optimizer)
+        save_model(model, tmp, extra_config=extra_config, state=model_state)
+        tensors, opt_meta = _optimizer_to_flat(optimizer.state_dict() if optimizer_state is None else optimizer_state)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         _write_json(tmp / "train_config.json", train_config)
         _write_json(tmp / "trainer_state.json", {"format": FORMAT_VERSION, **trainer_state, "optimizer": opt_meta})
@@ -103,29 +107,39 @@ def remove_abandoned(out_dir) -> list[Path]:
     return gone
 
 
-def load_weights(path, model, optimizer) -> None:
-    """Copy the checkpoint's model and optimizer tensors into ``model`` and ``optimizer``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def load_weights(path, model, optimizer=None) -> None:
+    """Copy the checkpoint's model tensors into ``model`` and, if given, its optimizer state into ``optimizer``."""
     from lintrans.models.hf import load_state_dict_checked
 
     path = Path(path)
-    try:
-        state = load_file(str(path / "model.safetensors"), device="cpu")
-        opt_tensors = load_file(str(path / "optimizer.safetensors"), device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"checkpoint {path} is damaged: {e}") from None
-    load_state_dict_checked(model, state, source=f"checkpoint {path}")
+    load_state_dict_checked(model, _load_tensors(path, "model.safetensors"), source=f"checkpoint {path}")
+    if optimizer is not None:
+        load_optimizer(path, optimizer)
+
+
+def load_optimizer(path, optimizer, load=None) -> None:
+    """The checkpoint's optimizer state into ``optimizer``, by ``load(state_dict)`` where
+    ``optimizer.load_state_dict`` cannot (a sharded model's: ``distributed.load_sharded_optimizer``)."""
+    path = Path(path)
+    opt_tensors = _load_tensors(path, "optimizer.safetensors")
     meta = read_checkpoint(path)["trainer_state"]["optimizer"]
     try:
-        optimizer.load_state_dict(_optimizer_from_flat(opt_tensors, meta))
+        (load or optimizer.load_state_dict)(_optimizer_from_flat(opt_tensors, meta))
     except (ValueError, KeyError) as e:
         raise ValueError(f"optimizer state in checkpoint {path} does not match this model: {e}") from None
 
 
-def _optimizer_to_flat(optimizer) -> tuple[dict, dict]:
-    sd = optimizer.state_dict()
+def _load_tensors(path: Path, name: str) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path / name), device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"checkpoint {path} is damaged: {e}") from None
+
+
+def _optimizer_to_flat(sd: dict) -> tuple[dict, dict]:
     tensors, scalars = {}, {}
     for index, state in sd["state"].items():
         for name, value in state.items():

@@ -22,6 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override one config key, e.g. train.max_steps=500 (repeatable)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--device", default=None, help="train.device: auto, cpu, cuda, cuda:N or mps")
     keys = parser.add_argument_group("config keys (same as --set KEY=VALUE)")
     for key, typ in key_types().items():
         name = getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
@@ -32,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .config import load_config
 
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device is not None else [])
     overrides += [f"{dest[4:]}={value}" for dest, value in vars(args).items()
                   if dest.startswith("key:") and value is not None]
     config = args.config

@@ -20,6 +20,7 @@ from .tokenizer import TOKENIZERS
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "constant")
 RESUME_MODES = ("auto", "never", "must")
+PARALLEL = ("ddp", "fsdp")
 
 
 @dataclass
@@ -67,6 +68,10 @@ class TrainSection:
     # ckpt.pt): the model is that one; model.attention etc. may swap the attention (weights kept)
     init_from: Optional[str] = None
     progress: bool = True
+    # under torchrun: ddp (replicated weights) or fsdp (FSDP2 fully_shard: weights, gradients and
+    # optimizer state sharded over the processes)
+    parallel: str = "ddp"
+    context_parallel: int = 1  # split every sequence over this many processes (linear-state attention only)
 
 
 SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainSection}
@@ -95,12 +100,13 @@ class TrainConfig:
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _choice("train.precision", self.train.precision, PRECISIONS)
         _choice("train.resume", self.train.resume, RESUME_MODES)
+        _choice("train.parallel", self.train.parallel, PARALLEL)
         for key, value in _flatten(self.to_dict(), "").items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"config key {key!r} must be a finite number, got {value}")
         if not 0 < self.data.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
-        for name in ("max_steps", "eval_interval", "eval_batches", "checkpoint_interval"):
+        for name in ("max_steps", "eval_interval", "eval_batches", "checkpoint_interval", "context_parallel"):
             _positive(f"train.{name}", getattr(self.train, name))
         for name in ("stop_after_steps", "batch_size", "tokens_per_update", "micro_batch_size"):
             if getattr(self.train, name) is not None:
@@ -115,6 +121,8 @@ class TrainConfig:
             _positive("optim.decay_steps", self.optim.decay_steps)
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
         check_attention(gpt)
+        if self.train.context_parallel > 1:
+            check_context_parallel(gpt.attention, gpt.block_size, self.train.context_parallel)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model config, with the vocabulary taken from the tokenizer unless set explicitly."""
@@ -131,6 +139,19 @@ def check_attention(gpt: GPTConfig) -> None:
     layer = get_attention(gpt.attention)
     with torch.device("meta"):
         layer(gpt)
+
+
+def check_context_parallel(attention: str, block_size: int, n: int) -> None:
+    from lintrans.nn.registry import context_parallel_attention
+
+    allowed = context_parallel_attention()
+    if attention not in allowed:
+        raise ValueError(f"train.context_parallel = {n} splits each sequence over {n} processes, which attention "
+                         f"{attention!r} cannot do (it needs a fixed-size state passed between them): use "
+                         f"model.attention in {allowed}, or train.context_parallel = 1")
+    if block_size % n:
+        raise ValueError(f"train.context_parallel = {n} must divide model.block_size ({block_size}): every process "
+                         "holds an equal slice of each sequence")
 
 
 def padded_vocab(vocab_size: int) -> int:

@@ -17,7 +17,10 @@ import torch
 from . import checkpoint as ckpt
 from .config import TrainConfig, padded_vocab, write_resolved
 from .data import TokenData, WindowSampler, batch_layout, get_batch, prepare_data, resolve_source
-from .distributed import DistInfo, all_mean, any_flag, barrier, gather_objects, init_distributed, shutdown
+from .distributed import (
+    DistInfo, all_mean, any_flag, barrier, full_state_dicts, full_value, gather_objects, init_distributed, is_sharded,
+    load_sharded_optimizer, local_tensor, no_gradient_sync, parallelize, peak_memory_bytes, shutdown,
+)
 from .tokenizer import get_tokenizer
 
 EXIT_NONFINITE = 1
@@ -31,6 +34,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     stopped: str = "done"  # done | stop_after | signal | nonfinite | already_done (nothing was trained)
     exit_code: int = 0
+    peak_memory: list[int] = field(default_factory=list)  # bytes, per process (peak_memory_bytes)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -203,9 +207,11 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) the training described by ``cfg``; see docs/training.md."""
     cfg.validate()
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, cfg.train.context_parallel)
     try:
-        return _train(cfg, info)
+        result = _train(cfg, info)
+        barrier(info)  # every process done with its collectives before any tears its connections down
+        return result
     finally:
         shutdown(info)
 
@@ -251,7 +257,7 @@ class _Run:
             self.gpt_config = cfg.gpt_config(vocab_size=padded_vocab(self.tokenizer.vocab_size))
         self.block = self.gpt_config.block_size
         self.total, self.micro, self.accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
-                                                          cfg.train.micro_batch_size, self.block, info.world_size)
+                                                          cfg.train.micro_batch_size, self.block, info.dp_size)
         if info.is_main:
             for path in ckpt.remove_abandoned(self.out_dir):
                 self.say(f"removed {path}: the unfinished save of a run that was killed")
@@ -296,13 +302,19 @@ class _Run:
         cfg, info = self.cfg, self.info
         torch.manual_seed(cfg.train.seed)  # same initial weights on every process
         self.model = (GPT(self.gpt_config) if self.initial is None else self.initial).to(info.device)
+        if self.saved is not None:  # whole weights into the whole model, before any sharding
+            ckpt.load_weights(self.found, self.model)
+        # DDP or FSDP (sharded in place: the optimizer must see the sharded parameters), context parallelism
+        self.forward = parallelize(self.model, info, cfg.train.parallel, cfg.train.compile)
         self.optimizer = build_optimizer(self.model, cfg, info.device)
         torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
         self.sampler = WindowSampler(len(self.data.train), self.block, cfg.train.seed)
         self.precision = _precision(cfg.train.precision, info.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
         if self.saved is not None:
-            ckpt.load_weights(self.found, self.model, self.optimizer)
+            ckpt.load_optimizer(self.found, self.optimizer, load=(
+                (lambda state: load_sharded_optimizer(self.model, self.optimizer, state))
+                if is_sharded(self.model) else None))
             for line in _apply_optim_config(self.optimizer, cfg):
                 self.say(line)
             st = self.saved["trainer_state"]
@@ -313,13 +325,6 @@ class _Run:
             if st.get("scaler"):
                 self.scaler.load_state_dict(st["scaler"])
             self.say(f"resuming from {self.found} at step {self.step}")
-        forward = torch.compile(self.model) if cfg.train.compile else self.model
-        if info.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            forward = DistributedDataParallel(
-                forward, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-        self.forward = forward
         self.autocast = (
             torch.autocast(info.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
             if self.precision in ("bf16", "fp16") else contextlib.nullcontext()
@@ -328,7 +333,7 @@ class _Run:
         eval_rng = np.random.Generator(np.random.PCG64(cfg.train.seed + 1))
         # Fixed validation windows (comparable across evals), eval_batches global batches split like training ones.
         starts = eval_rng.integers(0, len(self.data.val) - self.block, size=cfg.train.eval_batches * self.total)
-        starts = starts.reshape(cfg.train.eval_batches, self.accum, info.world_size, self.micro)[:, :, info.rank]
+        starts = starts.reshape(cfg.train.eval_batches, self.accum, info.dp_size, self.micro)[:, :, info.dp_rank]
         self.eval_starts = starts.reshape(-1, self.micro)  # [eval_batches * accum, micro]
 
     def open_logs(self) -> None:
@@ -344,11 +349,19 @@ class _Run:
                  f"(without position embeddings), {g.n_layer} layers, block_size {self.block}")
         self.say(f"data: {self.data.meta['source']}: {len(self.data.train):,} train / {len(self.data.val):,} val "
                  f"tokens ({self.tokenizer.name} tokenizer)")
+        split = (f", each sequence split over {info.cp_size} processes ({self.block // info.cp_size} tokens each)"
+                 if info.cp_size > 1 else "")
         self.say(f"batch: {self.total} sequences x {self.block} tokens = {self.total * self.block:,} tokens/update "
-                 f"({info.world_size} process(es) x {self.micro} micro-batch x {self.accum} accumulation) on "
-                 f"{info.device}, {self.precision}")
+                 f"({info.dp_size} process(es) x {self.micro} micro-batch x {self.accum} accumulation{split}) on "
+                 f"{info.device}, {self.precision}" + (", FSDP" if is_sharded(self.model) else ""))
 
     # -- the steps of the loop ----------------------------------------------------------------
+
+    def batch(self, tokens, starts):
+        """This process's inputs and targets for windows ``starts``: with context parallelism the
+        slice [cp_rank * n, (cp_rank + 1) * n) of each window, n = block_size / cp_size."""
+        n = self.block // self.info.cp_size
+        return get_batch(tokens, starts + self.info.cp_rank * n, n, self.info.device)
 
     def train_step(self, lr: float) -> tuple[Optional[float], Optional[float]]:
         """One update (with gradient accumulation): (loss, grad norm), or (None, None) when the loss
@@ -356,12 +369,11 @@ class _Run:
         info = self.info
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        starts = self.sampler.draw(self.total).reshape(self.accum, info.world_size, self.micro)[:, info.rank]
+        starts = self.sampler.draw(self.total).reshape(self.accum, info.dp_size, self.micro)[:, info.dp_rank]
         loss_sum = torch.zeros((), device=info.device)
         for a in range(self.accum):
-            x, y = get_batch(self.data.train, starts[a], self.block, info.device)
-            sync = a == self.accum - 1 or not info.enabled
-            with (contextlib.nullcontext() if sync else self.forward.no_sync()):
+            x, y = self.batch(self.data.train, starts[a])
+            with no_gradient_sync(self.model, self.forward, skip=a < self.accum - 1):
                 with self.autocast:
                     _, loss = self.forward(x, y, return_logits=False)
                 self.scaler.scale(loss / self.accum).backward()
@@ -371,7 +383,7 @@ class _Run:
             return None, None
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip).item()
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, clip)).item()
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             return None, None
         self.scaler.step(self.optimizer)
@@ -385,25 +397,28 @@ class _Run:
         losses = []
         with torch.no_grad(), self.autocast:
             for starts in self.eval_starts:
-                x, y = get_batch(self.data.val, starts, self.block, self.info.device)
+                x, y = self.batch(self.data.val, starts)
                 losses.append(model(x, y, return_logits=False)[1].float().item())
         model.train()
         return all_mean(self.info, float(np.mean(losses)))
 
     def weights_finite(self) -> bool:
-        bad = any(not torch.isfinite(p).all() for p in self.model.parameters())
+        bad = any(not torch.isfinite(local_tensor(p)).all() for p in self.model.parameters())
         return not any_flag(self.info, bad)
 
     def save(self) -> None:
         info = self.info
         rng = gather_objects(info, ckpt.rng_state())
+        model_state = optimizer_state = None
+        if is_sharded(self.model):  # gathered whole on rank 0: the checkpoint of an unsharded run
+            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
         if info.is_main:
             state = {"step": self.step, "tokens": self.tokens, "time_s": self.elapsed,
                      "lr": lr_at(max(self.step - 1, 0), self.cfg), "world_size": info.world_size,
                      "sampler": self.sampler.state_dict(), "rng": rng,
                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
             ckpt.save_checkpoint(self.out_dir, self.model, self.optimizer, state, self.train_config,
-                                 {"tokenizer": self.tokenizer.name})
+                                 {"tokenizer": self.tokenizer.name}, model_state, optimizer_state)
         barrier(info)
 
     def report_eval(self, bar, loss: float, val_loss: float, tokens_per_s: float) -> None:
@@ -469,8 +484,21 @@ class _Run:
                     break
         bar.close()
         result.step = self.step
+        result.peak_memory = gather_objects(info, peak_memory_bytes(info.device))
+        self.report_memory(result.peak_memory)
         self.say_outcome(result, lr)
         return result
+
+    def report_memory(self, peaks: list[int]) -> None:
+        if not self.info.is_main:
+            return
+        what = "CUDA allocator peak" if self.info.device.type == "cuda" else "peak resident set"
+        line = (f"peak memory per process ({what}): "
+                + ", ".join(f"{p / 2**20:,.0f}" for p in peaks) + " MiB")
+        self.say(line)
+        if self.out_dir.is_dir():
+            with open(self.out_dir / "train.log", "a") as f:
+                f.write(line + "\n")
 
     def say_outcome(self, result: TrainResult, lr: float) -> None:
         if result.stopped == "nonfinite":

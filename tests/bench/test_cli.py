@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from lintrans.ops import chunk_tuning as tune
 from lintrans.cli import main
@@ -171,3 +172,16 @@ def test_cost_mfu_of_softmax_counts_the_causal_half(capsys):
     tf = training_flops(ModelShape(n_layer=12, n_head=2, n_embd=128, vocab_size=50257, block_size=1024), 16384)
     causal = (tf["total"] - tf["attention"] / 2) / 10 / 1e12
     assert "softmax T=16384: " in out and f"MFU {100 * causal:.1f}%" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")
+def test_device_cuda_without_cuda_is_one_clear_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "ops", "--device", "cuda"])
+    assert "--device is 'cuda' but no CUDA device is available" in str(e.value)
+    for argv in (["tune", "--device", "cuda"], ["train", "--device", "cuda", "--train.out_dir", str(tmp_path / "r")],
+                 ["sample", "--device", "cuda", "--checkpoint", str(tmp_path)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "is 'cuda' but no CUDA device is available" in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "r").exists()

@@ -205,3 +205,10 @@ def test_hidden_from_inputs_embeds_equals_hidden_from_ids():
         model.hidden(inputs_embeds=torch.zeros(2, 9, 15))
     with pytest.raises(ValueError, match="exceeds block_size 32"):
         model.hidden(inputs_embeds=torch.zeros(1, 33, 16))
+
+
+def test_context_parallel_is_refused_by_softmax():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=64))
+    with pytest.raises(ValueError, match="attention 'softmax' cannot split a sequence over processes.*'linear'"):
+        model.set_context_parallel(object())  # refused before the group is looked at
+    assert model.context_parallel is None

@@ -52,6 +52,8 @@ def test_overrides_are_typed(tmp_path):
     ("train.precision=fp8", ValueError, "train.precision must be one of"),
     ("data.tokenizer=gpt4", ValueError, "data.tokenizer must be one of"),
     ("train.max_steps", ValueError, "section.key=value"),
+    ("train.parallel=zero3", ValueError, r"train.parallel must be one of \['ddp', 'fsdp'\]"),
+    ("train.context_parallel=0", ValueError, "train.context_parallel must be >= 1"),
     ("model.n_layer.x=1", ValueError, "not a table"),
 ])
 def test_bad_overrides(override, error, match):
@@ -119,3 +121,14 @@ def test_print_config_fails_like_a_run(override, message, capsys):
     assert main(["train", "--set", override, "--print-config"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("attention, block, message", [
+    ("softmax", 64, "attention 'softmax' cannot do .*model.attention in .*'gated-linear', 'linear', 'none', 'retention'"),
+    ("sliding-window", 64, "attention 'sliding-window' cannot do"),
+    ("linear", 63, r"train.context_parallel = 2 must divide model.block_size \(63\)"),
+])
+def test_context_parallel_refuses_what_it_cannot_split(attention, block, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, ["train.context_parallel=2", f"model.attention={attention}", f"model.block_size={block}"])
+    assert load_config(None, ["train.context_parallel=2", "model.attention=retention"]).train.context_parallel == 2

@@ -270,3 +270,15 @@ def test_invalid_attention_is_reported_as_such_when_a_run_folder_exists(tiny_con
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="attention must be one of .* got 'flash'"):
         train(tiny_config(**{"model.attention": "flash"}))
+
+
+def test_context_parallel_needs_as_many_processes(tiny_config):
+    with pytest.raises(ValueError, match="splits every sequence over 2 processes: launch a multiple of 2"):
+        train(tiny_config(**{"model.attention": "linear", "train.context_parallel": 2}))
+
+
+def test_fsdp_in_one_process_is_the_plain_model(tiny_config):
+    plain = train(tiny_config("plain", **{"train.max_steps": 3}))
+    fsdp = train(tiny_config("fsdp", **{"train.max_steps": 3, "train.parallel": "fsdp"}))
+    assert fsdp.losses == plain.losses
+    assert len(fsdp.peak_memory) == 1 and fsdp.peak_memory[0] > 2**20
