@@ -8,9 +8,9 @@ Each block maps two streams (x1, x2) to
 and its inputs follow from its outputs: x2 = y2 - G(y1), x1 = y1 - F(x2). So training keeps only
 the last block's outputs: ``reversible_blocks`` runs each block as an autograd Function that keeps
 nothing (the last one keeps its outputs) and, going backward, rebuilds the block's inputs from its
-outputs, recomputes F and G with autograd, and hands the rebuilt inputs to the block before. Activation memory does not grow with depth; the price is one more
-forward of every block, and inputs rebuilt by subtraction (exact in exact arithmetic, rounded in
-floating point). Dropout (any random op in F or G) is replayed: the RNG state before each F and G
+outputs, recomputes F and G with autograd, and hands the rebuilt inputs to the block before.
+Activation memory does not grow with depth; the price is one more forward of every block, and
+inputs rebuilt by subtraction (exact in exact arithmetic, rounded in floating point). Dropout (any random op in F or G) is replayed: the RNG state before each F and G
 is saved in the forward and restored for the recomputation, so the masks are the same.
 """
 from __future__ import annotations

@@ -234,7 +234,8 @@ def shared_qk_attention(qk: torch.Tensor, v: torch.Tensor, *, causal: bool = Tru
     """Dense shared-QK softmax attention with the self rule (O(T^2)): rows start..T-1 of
     softmax_j(scale * qk_i . qk_j / ||qk_j||) v_j, s_ii = SELF_SCORE, restricted to ``mask``
     [B, H, T - start, T] (and j <= i when causal). Computed in float32 (float64 for float64
-    inputs), returned in qk's dtype: [B, T - start, H, Dv]. What LSH attention approximates, and (with ``lsh_mask``) what it computes."""
+    inputs), returned in qk's dtype: [B, T - start, H, Dv]. What LSH attention approximates, and
+    (with ``lsh_mask``) what it computes."""
     T, D = qk.shape[1], qk.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = compute_dtype(qk.dtype)
