@@ -106,6 +106,11 @@ def based_feature_dim(d: int) -> int:
     return 1 + d + squared_feature_dim(d)
 
 
+def named_feature_dim(name: str, d: int) -> int:
+    """F of the named map ``name`` on vectors of dimension d."""
+    return based_feature_dim(d) if name == "based" else d
+
+
 _EXPANDED_DIM = {
     "based": based_feature_dim,
     "rebased": squared_feature_dim,
