@@ -149,6 +149,16 @@ FEATURE_MAPS: dict[str, FeatureMap] = {
 }
 
 
+# d phi / dx as a function of phi's output y, for the element-wise named maps: the chunked op applies
+# them block by block and gets their gradient from the features it recomputes anyway, without
+# recording a graph (maps not listed get theirs by autograd)
+OUTPUT_DERIVATIVES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "elu": lambda y: y.clamp(max=1.0),  # exp(x) = y where x < 0, else 1
+    "relu": lambda y: (y > 0).to(y.dtype),
+    "softplus": lambda y: -torch.expm1(-y),  # sigmoid(x) = 1 - exp(-softplus(x))
+}
+
+
 def resolve_feature_map(feature_map) -> tuple[FeatureMap, FeatureMap]:
     """Return (phi_q, phi_k) from a name, a callable, or a (phi_q, phi_k) pair."""
     if isinstance(feature_map, str):

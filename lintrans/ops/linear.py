@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
-from .feature_maps import named_feature_dim, resolve_feature_map
+from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -147,6 +147,7 @@ class _Chunked(NamedTuple):
     """How ``_ChunkedAttention`` runs (see there)."""
 
     phi: Optional[Callable]  # the feature map, applied block by block; None: q and k are features already
+    dphi: Optional[Callable]  # phi's derivative from its output (None: by autograd)
     scale: float
     chunk: int
     block: int  # chunks per block
@@ -200,8 +201,8 @@ def _above_diagonal(c: int, device: torch.device) -> torch.Tensor:
 
 def _block_inputs(q, k, v, ld, t0: int, nb: int, c: int, cfg: _Chunked, grad: bool = False):
     """A block's features [nb, B, H, c, F], values with the normaliser column [nb, B, H, c, E] and
-    in-chunk cumulative log-decays b [nb, B|1, H, c] (or None); with ``grad`` also the feature
-    map's inputs, on which its graph was recorded."""
+    in-chunk cumulative log-decays b [nb, B|1, H, c] (or None), and with ``grad`` the feature
+    map's inputs (its graph recorded from them, for its gradient)."""
     qb, kb = _block_view(q, t0, nb, c), _block_view(k, t0, nb, c)
     if cfg.phi is None:
         fq, fk, xq, xk = _gather(qb, cfg.dtype), _gather(kb, cfg.dtype), None, None
@@ -218,7 +219,7 @@ def _block_inputs(q, k, v, ld, t0: int, nb: int, c: int, cfg: _Chunked, grad: bo
         vb = _gather(vb, cfg.dtype, vb.shape[-1] + 1)
         vb[..., -1] = 1.0  # the normaliser column: y[..., -1] = sum_j s_ij, and the state's z
     b = None if ld is None else _block_view(ld, t0, nb, c).cumsum(-1)
-    return (fq, fk, vb, b, xq, xk) if grad else (fq, fk, vb, b)
+    return fq, fk, vb, b, (xq, xk) if grad else None
 
 
 def _decays(b: torch.Tensor):
@@ -347,7 +348,7 @@ class _ChunkedAttention(torch.autograd.Function):
         states = S0.new_empty(len(blocks) + 1, *S0.shape)  # the state before each block, and the last
         states[0] = S0
         for i, (t0, nb, c) in enumerate(blocks):
-            fq, fk, vb, b = _block_inputs(q, k, v, ld, t0, nb, c, cfg)
+            fq, fk, vb, b, _ = _block_inputs(q, k, v, ld, t0, nb, c, cfg)
             y, states[i + 1] = _block_forward(fq, fk, vb, b, states[i])
             if cfg.scale != 1.0:
                 y.mul_(cfg.scale)
@@ -371,10 +372,11 @@ class _ChunkedAttention(torch.autograd.Function):
         dld = torch.empty(ld.shape, dtype=cfg.dtype, device=ld.device) if need_db else None
         dS = dS_end.clone()  # the gradient reaching the state after the block at hand
         blocks = _blocks(q.shape[1], cfg.chunk, cfg.block)
+        by_autograd = cfg.phi is not None and cfg.dphi is None
         for i in range(len(blocks) - 1, -1, -1):
             t0, nb, c = blocks[i]
-            with torch.enable_grad():  # the feature map's graph, for its gradient below
-                fq, fk, vb, b, xq, xk = _block_inputs(q, k, v, ld, t0, nb, c, cfg, grad=True)
+            with torch.set_grad_enabled(by_autograd):
+                fq, fk, vb, b, x = _block_inputs(q, k, v, ld, t0, nb, c, cfg, grad=by_autograd)
             dy = torch.empty(vb.shape, dtype=cfg.dtype, device=vb.device)
             do_b = _block_view(do, t0, nb, c)
             if cfg.normalize:  # o = y / d: dy = do / d, d(d) = -sum(do o) / d
@@ -386,8 +388,10 @@ class _ChunkedAttention(torch.autograd.Function):
             if cfg.scale != 1.0:
                 dy.mul_(cfg.scale)
             dfq, dfk, dvb, db = _block_backward(fq.detach(), fk.detach(), vb, b, states[i], dy, dS, need_db)
-            if cfg.phi is not None:
-                dfq, dfk = torch.autograd.grad((fq, fk), (xq, xk), (dfq, dfk))
+            if cfg.dphi is not None:
+                dfq, dfk = dfq.mul_(cfg.dphi(fq)), dfk.mul_(cfg.dphi(fk))
+            elif by_autograd:
+                dfq, dfk = torch.autograd.grad((fq, fk), x, (dfq, dfk))
             _block_view(dq, t0, nb, c).copy_(dfq)
             _block_view(dk, t0, nb, c).copy_(dfk)
             _block_view(dv, t0, nb, c).copy_(dvb[..., :Dv])
@@ -401,7 +405,7 @@ def _chunked(fq, fk, v, S0, chunk, ld=None):
     op itself calls ``_ChunkedAttention`` on q, k, v directly, with the feature map inside.)"""
     B, H, T, _ = fq.shape
     chunk = min(chunk, T)
-    cfg = _Chunked(None, 1.0, chunk, _chunks_per_block(fq.device, B * H, chunk, T // chunk), None, 0.0,
+    cfg = _Chunked(None, None, 1.0, chunk, _chunks_per_block(fq.device, B * H, chunk, T // chunk), None, 0.0,
                    fq.dtype, fq.dtype)
     ld = None if ld is None else ld.transpose(1, 2)
     y, S = _ChunkedAttention.apply(fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2), ld, S0, cfg)
@@ -508,18 +512,19 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     dtype = compute_dtype(q.dtype)
-    if isinstance(feature_map, str):
+    if isinstance(feature_map, str) and feature_map != "identity":
         phi, Fd = resolve_feature_map(feature_map)[0], named_feature_dim(feature_map, Dk)
     else:  # a module may hold (per-head) parameters: it is applied here, to [B, T, H, D]
         phi, (q, k) = None, _featurize(q, k, feature_map, 1.0)
         Fd = q.shape[-1]
+    dphi = OUTPUT_DERIVATIVES.get(feature_map) if phi is not None else None
     chunk = min(_resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None), T)
     S0 = _state0(initial_state, B, H, Fd, Dv, dtype, q.device)
     ld = None
     if log_decay is not None:
         ld = log_decay.to(dtype)
         ld = ld.expand(1, T, H) if ld.dim() == 1 else ld  # a fixed [H] decay: the same for every token
-    cfg = _Chunked(phi, scale, chunk, _chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
+    cfg = _Chunked(phi, dphi, scale, chunk, _chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
                    dtype, v.dtype)
     o, S_end = _ChunkedAttention.apply(q, k, v, ld, S0, cfg)
     return o, ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
