@@ -476,10 +476,10 @@ def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> Non
     if log_decay.device != device:
         raise ValueError(f"log_decay must be on {device} like q, got {log_decay.device}")
     if log_decay.device.type == "cpu":
-        bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0
-        if bad.any():
-            x = log_decay[bad][0].item()
-            raise ValueError(f"log_decay must be finite and <= 0 (decays in (0, 1]), got {x}")
+        lo, hi = torch.aminmax(log_decay)  # one pass; a NaN makes both NaN
+        if not (hi <= 0 and lo > float("-inf")):
+            bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0
+            raise ValueError(f"log_decay must be finite and <= 0 (decays in (0, 1]), got {log_decay[bad][0].item()}")
 
 
 def _log_decay_head_first(log_decay, B: int, T: int, H: int, dtype) -> torch.Tensor:
