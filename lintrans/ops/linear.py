@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
+from .scan import decayed_scan
 from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 
 State = Tuple[torch.Tensor, torch.Tensor]
@@ -114,31 +115,17 @@ def _attention_blocked(fq, fk, v, S0, chunk, ld=None):
     return y, _final_state(fk, v, S0, L)
 
 
-def _decayed_scan(g: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """X_t = g_t X_{t-1} + P_t with X_{-1} = 0, along dim 2, for all t at once (Hillis-Steele:
-    log2(T) rounds, each combining every element with the one 2^r before it). g [B|1,H,T] in
-    (0, 1], P [B,H,T,...]. Only products of gates (<= 1) are formed, so nothing overflows."""
-    T = P.shape[2]
-    extra = (None,) * (P.dim() - 3)
-    d = 1
-    while d < T:
-        P = torch.cat([P[:, :, :d], P[:, :, d:] + g[:, :, d:][(...,) + extra] * P[:, :, :-d]], dim=2)
-        g = torch.cat([g[:, :, :d], g[:, :, d:] * g[:, :, :-d]], dim=2)
-        d *= 2
-    return P
-
-
 def _state_parallel(fq, fk, v, S0, chunk, ld=None):
     """LT_state_parallel: every state at once as a cumulative sum of outer products. O(T F E) memory.
 
-    With a decay the cumulative sum becomes a parallel scan (``_decayed_scan``), O(T log T F E) work.
+    With a decay the cumulative sum becomes a parallel scan (``decayed_scan``), O(T log T F E) work.
     """
     P = fk[..., :, None] * v[..., None, :]  # [B,H,T,F,E]
     if ld is None:
         S = torch.cumsum(P, dim=2) + S0[:, :, None]  # [B,H,T,F,E]
     else:
         L = _cumulative(ld)
-        S = _decayed_scan(ld.exp(), P) + L.exp().to(P.dtype)[..., None, None] * S0[:, :, None]
+        S = decayed_scan(ld.exp()[..., None, None], P) + L.exp().to(P.dtype)[..., None, None] * S0[:, :, None]
     y = torch.einsum("bhtf,bhtfe->bhte", fq, S)
     return y, S[:, :, -1]
 
