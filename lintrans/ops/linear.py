@@ -147,6 +147,8 @@ class _Chunked(NamedTuple):
 # Tokens x heads per block on a CPU: a block's temporaries (a few MB) stay in cache and are reused
 # from the heap (docs/benchmarks.md, "The chunked form, block by block").
 BLOCK_TOKEN_HEADS = 4096
+# Calls of up to this many tokens x heads keep their blocks for backward instead of recomputing them
+KEEP_TOKEN_HEADS = 8192
 
 
 def _chunks_per_block(device: torch.device, heads: int, chunk: int, n: int) -> int:
@@ -246,27 +248,46 @@ def _chunk_states(fk, vb, b, S, dec):
     return X, kd
 
 
-def _block_forward(fq, fk, vb, b, S):
-    """y [nb, B, H, c, E] of a block starting from the state S, and the state after it."""
+class _Block(NamedTuple):
+    """What a block's forward computes and its backward needs."""
+
+    fq: torch.Tensor  # [nb, B, H, c, F] features
+    fk: torch.Tensor
+    vb: torch.Tensor  # [nb, B, H, c, E] values and the normaliser column
+    b: Optional[torch.Tensor]  # [nb, B|1, H, c] in-chunk cumulative log-decays, or None
+    dec: Optional[tuple]  # _decays(b)
+    X: torch.Tensor  # [nb + 1, B, H, F, E] the state before each chunk, and after the last
+    qd: torch.Tensor  # fq (and fk) times their decays, or fq (fk) themselves
+    kd: torch.Tensor
+    A: torch.Tensor  # [nb B H, c, c] causal (decayed) scores
+    D: Optional[torch.Tensor]  # [nb, B|1, H, c, c] the in-chunk decays, or None
+
+
+def _block(fq, fk, vb, b, S) -> _Block:
+    """A block's chunk states and scores from its inputs and the state S before it."""
     nb, B, H, c, Fd = fq.shape
-    E = vb.shape[-1]
     dec = None if b is None else _decays(b)
-    X, _ = _chunk_states(fk, vb, b, S, dec)
+    X, kd = _chunk_states(fk, vb, b, S, dec)
     qd = fq if b is None else fq * dec[0]
-    y = torch.bmm(qd.view(-1, c, Fd), X[:-1].view(-1, Fd, E))  # from the earlier chunks
-    y.baddbmm_(_chunk_scores(fq.view(-1, c, Fd), fk.view(-1, c, Fd), b, fq.shape)[0], vb.view(-1, c, E))
-    return y.view(nb, B, H, c, E), X[nb]
+    A, D = _chunk_scores(fq.view(-1, c, Fd), fk.view(-1, c, Fd), b, fq.shape)
+    return _Block(fq, fk, vb, b, dec, X, qd, kd, A, D)
 
 
-def _block_backward(fq, fk, vb, b, S, dy, dS, need_db: bool):
+def _block_output(blk: _Block) -> torch.Tensor:
+    """y [nb, B, H, c, E]: what the earlier chunks' state gives, plus the chunk's own scores."""
+    nb, B, H, c, Fd = blk.fq.shape
+    E = blk.vb.shape[-1]
+    y = torch.bmm(blk.qd.view(-1, c, Fd), blk.X[:-1].view(-1, Fd, E))
+    return y.baddbmm_(blk.A, blk.vb.view(-1, c, E)).view(nb, B, H, c, E)
+
+
+def _block_backward(blk: _Block, dy, dS, need_db: bool):
     """Gradients of a block: (d fq, d fk, d vb, d ld) given dy and dS, the gradient reaching the
     state after the block; dS becomes (in place) the gradient reaching the state before it."""
+    fq, fk, vb, b, dec, X, qd, kd, A, D = blk
     nb, B, H, c, Fd = fq.shape
     E = vb.shape[-1]
     q3, k3, v3, dy3 = fq.view(-1, c, Fd), fk.view(-1, c, Fd), vb.view(-1, c, E), dy.view(-1, c, E)
-    dec = None if b is None else _decays(b)
-    X, kd = _chunk_states(fk, vb, b, S, dec)  # recomputed: cheaper than keeping T x F x E / c floats
-    qd = fq if b is None else fq * dec[0]
     # G[m]: the gradient reaching X[m]; G[nb] = dS, G[m] = qd_m^T dy_m + g_m G[m+1]
     G = fq.new_empty(nb + 1, B, H, Fd, E)
     G[nb] = dS
@@ -278,7 +299,6 @@ def _block_backward(fq, fk, vb, b, S, dy, dS, need_db: bool):
             G[m].addcmul_(dec[2][m], G[m + 1])
     dS.copy_(G[0])
     dP3 = G[1:].view(-1, Fd, E)  # the gradient of each chunk's sum
-    A, D = _chunk_scores(q3, k3, b, fq.shape)
     dA = torch.bmm(dy3, v3.transpose(1, 2))  # [nb B H, c, c]
     dv = torch.bmm(kd.view(-1, c, Fd), dP3).baddbmm_(A.transpose(1, 2), dy3)
     dq = torch.bmm(dy3, X[:-1].view(-1, Fd, E).transpose(1, 2))  # d qd
@@ -321,7 +341,8 @@ class _ChunkedAttention(torch.autograd.Function):
     Backward is derived by hand and runs over the blocks in reverse, carrying the gradient of the
     state. It recomputes a block's features, chunk states and scores from the inputs and the
     state at the block's start; besides the inputs it keeps only those states, the output and
-    the normaliser.
+    the normaliser. Short calls (up to ``KEEP_TOKEN_HEADS`` tokens x heads) keep their blocks
+    instead: a few MB, and backward then runs fewer, larger kernels.
 
     With a decay, b is the cumulative log-decay from each chunk's start (<= 0), and every exponent
     is a difference b_i - b_j (j <= i), b_i, b_last - b_j or b_last, all <= 0: nothing overflows.
@@ -336,9 +357,16 @@ class _ChunkedAttention(torch.autograd.Function):
         blocks = _blocks(T, cfg.chunk, cfg.block)
         states = S0.new_empty(len(blocks) + 1, *S0.shape)  # the state before each block, and the last
         states[0] = S0
+        # a short call keeps its blocks for backward (block-sized, and fewer, larger kernels than
+        # recomputing them); a long one keeps only the states between blocks
+        keep = q.shape[0] * T * q.shape[2] <= KEEP_TOKEN_HEADS and (cfg.phi is None or cfg.dphi is not None)
+        kept = []
         for i, (t0, nb, c) in enumerate(blocks):
-            fq, fk, vb, b, _ = _block_inputs(q, k, v, ld, t0, nb, c, cfg)
-            y, states[i + 1] = _block_forward(fq, fk, vb, b, states[i])
+            blk = _block(*_block_inputs(q, k, v, ld, t0, nb, c, cfg)[:4], states[i])
+            y = _block_output(blk)
+            states[i + 1] = blk.X[nb]
+            if keep:
+                kept.append(blk)
             if cfg.scale != 1.0:
                 y.mul_(cfg.scale)
             out = _block_view(o, t0, nb, c)
@@ -348,7 +376,7 @@ class _ChunkedAttention(torch.autograd.Function):
             else:
                 out.copy_(y[..., :Dv])
         ctx.save_for_backward(q, k, v, ld, states, den, o)
-        ctx.cfg = cfg
+        ctx.cfg, ctx.kept = cfg, kept
         return o.to(cfg.out_dtype), states[-1].clone()
 
     @staticmethod
@@ -364,9 +392,13 @@ class _ChunkedAttention(torch.autograd.Function):
         by_autograd = cfg.phi is not None and cfg.dphi is None
         for i in range(len(blocks) - 1, -1, -1):
             t0, nb, c = blocks[i]
-            with torch.set_grad_enabled(by_autograd):
-                fq, fk, vb, b, x = _block_inputs(q, k, v, ld, t0, nb, c, cfg, grad=by_autograd)
-            dy = torch.empty(vb.shape, dtype=cfg.dtype, device=vb.device)
+            if ctx.kept:
+                blk = ctx.kept[i]
+            else:
+                with torch.set_grad_enabled(by_autograd):
+                    fq, fk, vb, b, x = _block_inputs(q, k, v, ld, t0, nb, c, cfg, grad=by_autograd)
+                blk = _block(fq.detach(), fk.detach(), vb, b, states[i])
+            dy = torch.empty(blk.vb.shape, dtype=cfg.dtype, device=q.device)
             do_b = _block_view(do, t0, nb, c)
             if cfg.normalize:  # o = y / d: dy = do / d, d(d) = -sum(do o) / d
                 torch.div(do_b, _block_view(den, t0, nb, c)[..., None], out=dy[..., :Dv])
@@ -376,9 +408,9 @@ class _ChunkedAttention(torch.autograd.Function):
                 dy[..., Dv:] = 0.0
             if cfg.scale != 1.0:
                 dy.mul_(cfg.scale)
-            dfq, dfk, dvb, db = _block_backward(fq.detach(), fk.detach(), vb, b, states[i], dy, dS, need_db)
+            dfq, dfk, dvb, db = _block_backward(blk, dy, dS, need_db)
             if cfg.dphi is not None:
-                dfq, dfk = dfq.mul_(cfg.dphi(fq)), dfk.mul_(cfg.dphi(fk))
+                dfq, dfk = dfq.mul_(cfg.dphi(blk.fq)), dfk.mul_(cfg.dphi(blk.fk))
             elif by_autograd:
                 dfq, dfk = torch.autograd.grad((fq, fk), x, (dfq, dfk))
             _block_view(dq, t0, nb, c).copy_(dfq)

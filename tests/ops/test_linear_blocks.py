@@ -9,9 +9,11 @@ from lintrans.ops import linear as linear_module
 from qkv import random_qkv
 
 
-def chunks_per_block(monkeypatch, B, H, c, nb):
-    """Make the CPU path cut the sequence into blocks of ``nb`` chunks of ``c`` tokens."""
+def chunks_per_block(monkeypatch, B, H, c, nb, keep=False):
+    """Make the CPU path cut the sequence into blocks of ``nb`` chunks of ``c`` tokens; ``keep``: the
+    blocks are kept for backward (short calls), else recomputed (long calls)."""
     monkeypatch.setattr(linear_module, "BLOCK_TOKEN_HEADS", B * H * c * nb)
+    monkeypatch.setattr(linear_module, "KEEP_TOKEN_HEADS", 10**9 if keep else 0)
     assert linear_module._chunks_per_block(torch.device("cpu"), B * H, c, 100) == nb
 
 
@@ -27,9 +29,10 @@ def chunks_per_block(monkeypatch, B, H, c, nb):
     (1, 4, 2),    # T = 1
 ])
 @pytest.mark.parametrize("decay", [None, "per-token", "fixed"])
-def test_block_boundaries_equal_reference(monkeypatch, T, c, nb, decay):
+@pytest.mark.parametrize("keep", [False, True])
+def test_block_boundaries_equal_reference(monkeypatch, T, c, nb, decay, keep):
     B, H, Dk, Dv = 2, 3, 5, 4
-    chunks_per_block(monkeypatch, B, H, min(c, T), nb)
+    chunks_per_block(monkeypatch, B, H, min(c, T), nb, keep)
     q, k, v = (x.requires_grad_() for x in random_qkv(B, T, H, Dk, Dv))
     g = torch.Generator().manual_seed(1)
     ld = None
@@ -54,11 +57,12 @@ def test_block_boundaries_equal_reference(monkeypatch, T, c, nb, decay):
 
 
 @pytest.mark.parametrize("normalize,feature_map", [(False, "identity"), (True, "based"), (False, "softplus"),
-                                                   (True, "module")])
-def test_blocks_with_every_kind_of_feature_map(monkeypatch, normalize, feature_map):
-    """Named maps run inside the blocks (their gradient by recomputation), a module outside."""
+                                                   (True, "relu"), (True, "module")])
+@pytest.mark.parametrize("keep", [False, True])
+def test_blocks_with_every_kind_of_feature_map(monkeypatch, normalize, feature_map, keep):
+    """Named maps run inside the blocks (their gradient from their output, or by autograd), a module outside."""
     B, T, H, D = 1, 19, 2, 4
-    chunks_per_block(monkeypatch, B, H, 3, 2)
+    chunks_per_block(monkeypatch, B, H, 3, 2, keep)
     q, k, v = (x.requires_grad_() for x in random_qkv(B, T, H, D, D, seed=2))
     if feature_map == "module":
         lin = torch.nn.Linear(D, 6, dtype=torch.float64)
