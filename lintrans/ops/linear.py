@@ -23,6 +23,7 @@ import functools
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 from .scan import decayed_scan
@@ -243,9 +244,9 @@ def _scan_matrix(b, nb: int, heads: int, dtype, device) -> torch.Tensor:
     of long sums)."""
     if b is None:
         return _lower_ones(nb + 1, dtype, device)
-    C = torch.nn.functional.pad(b[..., -1].double().cumsum(0), (0, 0, 0, 0, 1, 0))  # [nb+1, B|1, H]
-    W = (C[:, None] - C[None, :]).permute(2, 3, 0, 1)  # [B|1, H, nb+1, nb+1]: C_m - C_j
-    W = W.masked_fill_(_above_diagonal(nb + 1, device), float("-inf")).exp_().to(dtype)
+    C = torch.nn.functional.pad(b[..., -1].double().permute(1, 2, 0).cumsum(-1), (1, 0))  # [B|1, H, nb+1]
+    W = (C[..., :, None] - C[..., None, :]).masked_fill_(_above_diagonal(nb + 1, device), float("-inf"))
+    W = W.exp_().to(dtype)  # [B|1, H, nb+1, nb+1]: exp(C_m - C_j)
     return W.expand(heads // W.shape[1], -1, -1, -1).reshape(heads, nb + 1, nb + 1)
 
 
@@ -399,6 +400,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return o.to(cfg.out_dtype), states[-1].clone()
 
     @staticmethod
+    @once_differentiable  # the hand-derived backward is not itself differentiable: a clear error, not a wrong one
     def backward(ctx, do, dS_end):
         q, k, v, ld, states, den, o = ctx.saved_tensors
         cfg = ctx.cfg

@@ -47,8 +47,11 @@ def main() -> None:
     p.add_argument("--gated", action="store_true", help="log_decay = -softplus(q[..., 0]) / 16, [B, T, H]")
     p.add_argument("--softmax-max-T", type=int, default=0, help="also time softmax (SDPA) up to this T")
     p.add_argument("--softmax-rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default=None, help="append the results as JSON lines to this file")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     old = load_old(args.old)
     impls = {"old": old.linear_attention, "new": linear_attention}
     probe_before = matmul_probe(1.0)
@@ -73,6 +76,7 @@ def main() -> None:
         names = ["old", "new"] + (["softmax (SDPA)"] if T <= args.softmax_max_T else [])
         steps = {n: make(n) for n in names}
         times = {n: [] for n in names}
+        cpu = {n: [] for n in names}  # process CPU time: with one thread, the work, whatever else runs
         faults = {n: [] for n in names}
         for s in steps.values():
             s()  # warm-up
@@ -80,21 +84,24 @@ def main() -> None:
             for n, s in steps.items():
                 if n == "softmax (SDPA)" and r >= args.softmax_rounds:
                     continue
-                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
                 s()
                 times[n].append(time.perf_counter() - t0)
-                faults[n].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu[n].append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+                faults[n].append(r1.ru_minflt - r0.ru_minflt)
         for n in names:
             best = min(times[n])
             row = {"T": T, "series": n, "gated": args.gated, "time_s": best, "times_s": times[n],
-                   "minor_faults": faults[n][times[n].index(best)]}
+                   "cpu_s": min(cpu[n]), "minor_faults": faults[n][times[n].index(best)]}
             rows.append(row)
-            print(f"T={T:6d} {n:15s} {best * 1e3:9.1f} ms (fastest of {len(times[n])}; "
+            print(f"T={T:6d} {n:15s} {best * 1e3:9.1f} ms (fastest of {len(times[n])}; CPU {row['cpu_s'] * 1e3:.1f} ms; "
                   f"{row['minor_faults']} page faults)", flush=True)
     probe_after = matmul_probe(1.0)
     print("matmul probe before", probe_before, "after", probe_after)
     record = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M"), "old": args.old,
+              "load_average": os.getloadavg(), "gated": args.gated,
               "probe_before": probe_before, "probe_after": probe_after, "rows": rows}
     if args.out:
         with open(args.out, "a") as f:
