@@ -170,9 +170,11 @@ def _blocks(T: int, chunk: int, block: int) -> list:
 
 
 def _block_view(x: torch.Tensor, t0: int, nb: int, c: int) -> torch.Tensor:
-    """[B, T, H, *] -> its tokens t0 .. t0 + nb c as [nb, B, H, c, *], chunk-major (a view)."""
-    x = x[:, t0 : t0 + nb * c].unflatten(1, (nb, c))  # [B, nb, c, H, *]
-    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+    """[B, T, H, *] -> its tokens t0 .. t0 + nb c as [nb, B, H, c, *], chunk-major (a view; one
+    as_strided call instead of slice, unflatten and permute: short calls are bound by per-op cost)."""
+    sB, sT, sH, *rest = x.stride()
+    return x.as_strided((nb, x.shape[0], x.shape[2], c, *x.shape[3:]), (c * sT, sB, sH, sT, *rest),
+                        x.storage_offset() + t0 * sT)
 
 
 def _gather(x: torch.Tensor, dtype: torch.dtype, columns: Optional[int] = None) -> torch.Tensor:
@@ -330,13 +332,13 @@ def _block_backward(blk: _Block, dy, dS, need_db: bool):
         dq5, dk5 = dq.view(fq.shape), dk.view(fq.shape)
         if need_db:  # each exponent's gradient, then b's, then ld's (b = cumsum(ld))
             G2 = (dA * A).view(nb, B, H, c, c)  # of b_i - b_j
-            k_term = (dk5 * kd).sum(-1)  # of b_last - b_j
-            db = G2.sum(-1) - G2.sum(-2) + (dq5 * qd).sum(-1) - k_term
-            d_last = k_term.sum(-1) + (G[1:] * X[:-1]).sum((-1, -2)) * dec[2][..., 0, 0]
+            k_term = torch.linalg.vecdot(dk5, kd)  # of b_last - b_j
+            db = G2.sum(-1) - G2.sum(-2) + torch.linalg.vecdot(dq5, qd) - k_term
+            d_last = k_term.sum(-1) + torch.linalg.vecdot(G[1:].flatten(-2), X[:-1].flatten(-2)) * dec[2][..., 0, 0]
             if b.shape[1] != B:  # a decay shared by the batch
                 db, d_last = db.sum(1, keepdim=True), d_last.sum(1, keepdim=True)
-            db[..., -1] += d_last
-            db = db.flip(-1).cumsum(-1).flip(-1)
+            # ld_t's gradient: every db_i with i >= t (one matmul), and b_last's
+            db = torch.matmul(db, _lower_ones(c, db.dtype, db.device)).add_(d_last[..., None])
         dA.view(nb, B, H, c, c).mul_(D)  # the gradient of the undecayed scores
         dq5.mul_(dec[0])
         dk5.mul_(dec[1])
