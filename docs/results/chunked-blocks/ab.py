@@ -1,6 +1,8 @@
 """Old against new chunked linear attention in one plain Python process, as a user calls it.
 
-    PYTHONPATH=. python docs/results/chunked-blocks/ab.py --old 160abd8 --T 4096 16384 65536 --rounds 7
+    PYTHONPATH=. python docs/results/chunked-blocks/ab.py --old 160abd8 --T 4096 16384 65536 --rounds 5
+    PYTHONPATH=. python docs/results/chunked-blocks/ab.py --old 160abd8 --T 128 256 512 1024 --rounds 40 \
+        --both --softmax-max-T 1024 --softmax-rounds 40
 
 No allocator settings, no huge pages (unless the caller exports THP_MEM_ALLOC_ENABLE=1): the op is
 timed as ``linear_attention(q, k, v, form="chunked", chunk_size=64)`` + ``o.backward(g)`` on
@@ -45,6 +47,7 @@ def main() -> None:
     p.add_argument("--T", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gated", action="store_true", help="log_decay = -softplus(q[..., 0]) / 16, [B, T, H]")
+    p.add_argument("--both", action="store_true", help="ungated and gated side by side")
     p.add_argument("--softmax-max-T", type=int, default=0, help="also time softmax (SDPA) up to this T")
     p.add_argument("--softmax-rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -68,12 +71,14 @@ def main() -> None:
                 if name == "softmax (SDPA)":
                     o = softmax_attention(q, k, v)
                 else:
-                    ld = -torch.nn.functional.softplus(q[..., 0]) / 16 if args.gated else None
-                    o = impls[name](q, k, v, form="chunked", chunk_size=64, log_decay=ld)[0]
+                    ld = -torch.nn.functional.softplus(q[..., 0]) / 16 if name.endswith("gated") else None
+                    o = impls[name.split()[0]](q, k, v, form="chunked", chunk_size=64, log_decay=ld)[0]
                 o.backward(grad)
             return step
 
-        names = ["old", "new"] + (["softmax (SDPA)"] if T <= args.softmax_max_T else [])
+        kinds = ["", " gated"] if args.both else [" gated" if args.gated else ""]
+        names = [v + g for g in kinds for v in ("old", "new")]
+        names += ["softmax (SDPA)"] if T <= args.softmax_max_T else []
         steps = {n: make(n) for n in names}
         times = {n: [] for n in names}
         cpu = {n: [] for n in names}  # process CPU time: with one thread, the work, whatever else runs
@@ -93,7 +98,7 @@ def main() -> None:
                 faults[n].append(r1.ru_minflt - r0.ru_minflt)
         for n in names:
             best = min(times[n])
-            row = {"T": T, "series": n, "gated": args.gated, "time_s": best, "times_s": times[n],
+            row = {"T": T, "series": n, "gated": n.endswith("gated"), "time_s": best, "times_s": times[n],
                    "cpu_s": min(cpu[n]), "minor_faults": faults[n][times[n].index(best)]}
             rows.append(row)
             print(f"T={T:6d} {n:15s} {best * 1e3:9.1f} ms (fastest of {len(times[n])}; CPU {row['cpu_s'] * 1e3:.1f} ms; "
@@ -101,7 +106,7 @@ def main() -> None:
     probe_after = matmul_probe(1.0)
     print("matmul probe before", probe_before, "after", probe_after)
     record = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M"), "old": args.old,
-              "load_average": os.getloadavg(), "gated": args.gated,
+              "load_average": os.getloadavg(), "threads": torch.get_num_threads(),
               "probe_before": probe_before, "probe_after": probe_after, "rows": rows}
     if args.out:
         with open(args.out, "a") as f:
