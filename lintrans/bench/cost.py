@@ -8,7 +8,7 @@ dimension of the linear map, c chunk size. Per layer, forward:
     q, k, v projections   2 B T D (N + 2K) h          output projection   2 B T D^2
     MLP (GELU, 4D)        16 B T D^2                  (SwiGLU: 6 B T D Fh with Fh ~ 8D/3)
     softmax attention     4 B N T^2 h                 (QK^T and AV, dense, as FLOP counters count it)
-    linear, chunked       4 B N T' F E + 2 B N T' c (F + E)      T' = T rounded up to chunks
+    linear, chunked       4 B N T F E + 2 B N (n c^2 + r^2) (F + E)      T = n c + r
     linear, attention     2 B N T^2 (F + E) + 4 B N T F E
 and once: the LM head 2 B T D V. E = h + 1: the implementation carries the normaliser as an extra
 value column. Element-wise work (softmax, feature maps, layer norms, cumulative sums) is left out,

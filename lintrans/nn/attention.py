@@ -258,9 +258,10 @@ class LinearAttention(QKVAttention):
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
         N, F, E, c = shape.n_head, shape.F, shape.head_dim + 1, shape.chunk_size  # E: v plus the ones column
         state_terms = 4 * B * N * T * F * E  # phi(k)^T v into the state, phi(q) S out of it
-        if shape.form == "chunked":
-            Tp = math.ceil(T / c) * c
-            return float(4 * B * N * Tp * F * E + 2 * B * N * Tp * c * (F + E))
+        if shape.form == "chunked":  # n chunks of c tokens and one of r (the op pads nothing)
+            c = min(c, T)
+            n, r = divmod(T, c)
+            return float(4 * B * N * T * F * E + 2 * B * N * (n * c * c + r * r) * (F + E))
         if shape.form == "attention":
             return float(2 * B * N * T * T * (F + E) + state_terms)
         if shape.form == "attention_blocked":

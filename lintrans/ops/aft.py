@@ -20,8 +20,9 @@ Never builds a [T, T, D] tensor. Paths:
   matmul; both max shifts cancel in the ratio. When causal and a huge key comes late (a row's largest
   term would sit more than UNDERFLOW_GAP below the shared reference), query chunks with per-row
   references (the running max of k) instead.
-- simple: two cumulative sums against the largest key, O(T*D); log-cumsum-exp scans when a huge
-  key late in the sequence would leave earlier rows to underflow.
+- simple: two cumulative sums against the largest key, O(T*D), while no row can underflow; otherwise
+  chunks with a per-chunk reference carried by a scan over chunks, and log-cumsum-exp scans over T
+  only when a key jumps far above the running max inside a chunk.
 - local/conv on long sequences: the biased band [B, H, T, W, D] plus unbiased prefix/suffix sums from
   the same scans, O(T*W*D), no [T, T] matrix.
 """
@@ -32,6 +33,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .scan import decayed_scan
 from .validation import check_positive_int, check_qkv, check_tensor, compute_dtype
 
 VARIANTS = ("full", "simple", "local", "conv")
@@ -42,6 +44,8 @@ CHUNK = 32
 # how far (in log space) below a row's largest term the shared reference may sit before the causal
 # path switches from one matmul to per-row references: exp(-60) is far from float32 underflow (1e-38)
 UNDERFLOW_GAP = {torch.float32: 60.0, torch.float64: 600.0}
+# tokens per chunk of causal AFT-simple (its in-chunk sums are cumulative sums; chunks are carried by a scan)
+SIMPLE_CHUNK = 64
 # local/conv take the O(T*W*D) banded path once the [Hw, T, T] bias matrix is larger than this times
 # the band [B, H, T, W, D]: band work is elementwise, slower per entry than the T x T matmul (on a CPU
 # core the two cross near ratio 0.3-0.75 for W = D = 64; 1.0 also keeps the band's memory below the matrix)
@@ -232,9 +236,37 @@ def band_bias(variant: str, pos_bias, window, T: int, causal: bool):
 
 
 def _aft_simple_causal(k, v):
-    """Causal softmax-over-prefix per channel in O(T*D) (see _log_sums)."""
-    la, lb, l1 = _log_sums(k, v)
-    return torch.exp(la - l1) - torch.exp(lb - l1)
+    """Causal softmax-over-prefix per channel in O(T*D), in chunks of SIMPLE_CHUNK tokens (the
+    flash-attention trick along time). Each chunk takes the running max of k at its end as its
+    reference R: inside the chunk, cumulative sums of exp(k - R) (v, 1); from the chunks before, their
+    totals carried by a scan over chunks that rescales by exp(R_prev - R) <= 1. Every exponent is
+    <= 0; a row's largest term is exp(m_t - R), m_t its running max, which stays far from underflow
+    while m_t is within UNDERFLOW_GAP of R. When a key jumps further above the running max inside a
+    chunk (rare: keys of that size), the three log-cumsum-exp scans over T instead (_log_sums)."""
+    B, H, T, D = k.shape
+    c = min(SIMPLE_CHUNK, T)
+    n, pad = -(-T // c), -T % c
+    m = torch.cummax(k.detach(), dim=2).values  # [B,H,T,D] running max; the reference cancels: no gradient
+    if pad:
+        m = torch.cat([m, m[:, :, -1:].expand(B, H, pad, D)], dim=2)
+    m = m.view(B, H, n, c, D)
+    ref = m[:, :, :, -1:]  # [B,H,n,1,D]
+    if float((ref - m[:, :, :, :1]).max()) >= UNDERFLOW_GAP[k.dtype]:
+        la, lb, l1 = _log_sums(k, v)
+        return torch.exp(la - l1) - torch.exp(lb - l1)
+    if pad:  # padded keys weigh exp(-inf) = 0
+        k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))
+        v = F.pad(v, (0, 0, 0, pad))
+    w = torch.exp(k.reshape(B, H, n, c, D) - ref)  # <= 1
+    num = torch.cumsum(w * v.reshape(B, H, n, c, D), dim=3)  # [B,H,n,c,D] relative to the chunk's R
+    den = torch.cumsum(w, dim=3)
+    R = ref[:, :, :, 0]  # [B,H,n,D]
+    g = torch.exp(torch.cat([R[:, :, :1], R[:, :, :-1]], dim=2) - R)  # exp(R_prev - R) <= 1
+    # Z_m = g_m Z_{m-1} + total of chunk m: every chunk up to m, relative to R_m
+    Z = decayed_scan(g[..., None, :], torch.stack([num[:, :, :, -1], den[:, :, :, -1]], dim=3))  # [B,H,n,2,D]
+    carry = g[..., None, :] * torch.cat([torch.zeros_like(Z[:, :, :1]), Z[:, :, :-1]], dim=2)  # before chunk m
+    mean = (num + carry[:, :, :, None, 0]) / (den + carry[:, :, :, None, 1])
+    return mean.view(B, H, n * c, D)[:, :, :T]
 
 
 def _aft_simple_causal_cumsum(k, v):
@@ -284,7 +316,7 @@ def aft(
         k32, v32 = k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T with H*D contiguous
         if _simple_gap_ok(k32):  # keys of ordinary size: two cumsums
             mean = _aft_simple_causal_cumsum(k32, v32)
-        else:  # a huge key late in the sequence: the log-space scans
+        else:  # a huge key late in the sequence: chunks with their own references
             mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
         return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
     kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]

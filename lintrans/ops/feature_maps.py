@@ -106,6 +106,11 @@ def based_feature_dim(d: int) -> int:
     return 1 + d + squared_feature_dim(d)
 
 
+def named_feature_dim(name: str, d: int) -> int:
+    """F of the named map ``name`` on vectors of dimension d."""
+    return based_feature_dim(d) if name == "based" else d
+
+
 _EXPANDED_DIM = {
     "based": based_feature_dim,
     "rebased": squared_feature_dim,
@@ -141,6 +146,16 @@ FEATURE_MAPS: dict[str, FeatureMap] = {
     "relu": relu,
     "softplus": softplus,
     "based": based,
+}
+
+
+# d phi / dx as a function of phi's output y, for the element-wise named maps: the chunked op applies
+# them block by block and gets their gradient from the features it recomputes anyway, without
+# recording a graph (maps not listed get theirs by autograd)
+OUTPUT_DERIVATIVES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "elu": lambda y: y.clamp(max=1.0),  # exp(x) = y where x < 0, else 1
+    "relu": lambda y: (y > 0).to(y.dtype),
+    "softplus": lambda y: -torch.expm1(-y),  # sigmoid(x) = 1 - exp(-softplus(x))
 }
 
 

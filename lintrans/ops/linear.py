@@ -19,12 +19,15 @@ return the final state; numerator, denominator and (S, z) are then the columns o
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import functools
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
-from .feature_maps import resolve_feature_map
+from .scan import decayed_scan
+from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -113,135 +116,344 @@ def _attention_blocked(fq, fk, v, S0, chunk, ld=None):
     return y, _final_state(fk, v, S0, L)
 
 
-def _decayed_scan(g: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """X_t = g_t X_{t-1} + P_t with X_{-1} = 0, along dim 2, for all t at once (Hillis-Steele:
-    log2(T) rounds, each combining every element with the one 2^r before it). g [B|1,H,T] in
-    (0, 1], P [B,H,T,...]. Only products of gates (<= 1) are formed, so nothing overflows."""
-    T = P.shape[2]
-    extra = (None,) * (P.dim() - 3)
-    d = 1
-    while d < T:
-        P = torch.cat([P[:, :, :d], P[:, :, d:] + g[:, :, d:][(...,) + extra] * P[:, :, :-d]], dim=2)
-        g = torch.cat([g[:, :, :d], g[:, :, d:] * g[:, :, :-d]], dim=2)
-        d *= 2
-    return P
-
-
 def _state_parallel(fq, fk, v, S0, chunk, ld=None):
     """LT_state_parallel: every state at once as a cumulative sum of outer products. O(T F E) memory.
 
-    With a decay the cumulative sum becomes a parallel scan (``_decayed_scan``), O(T log T F E) work.
+    With a decay the cumulative sum becomes a parallel scan (``decayed_scan``), O(T log T F E) work.
     """
     P = fk[..., :, None] * v[..., None, :]  # [B,H,T,F,E]
     if ld is None:
         S = torch.cumsum(P, dim=2) + S0[:, :, None]  # [B,H,T,F,E]
     else:
         L = _cumulative(ld)
-        S = _decayed_scan(ld.exp(), P) + L.exp().to(P.dtype)[..., None, None] * S0[:, :, None]
+        S = decayed_scan(ld.exp()[..., None, None], P) + L.exp().to(P.dtype)[..., None, None] * S0[:, :, None]
     y = torch.einsum("bhtf,bhtfe->bhte", fq, S)
     return y, S[:, :, -1]
 
 
-class _ChunkStates(torch.autograd.Function):
-    """The state before each chunk and after the last, [B,H,n+1,F,E], from S0 [B,H,F,E], each chunk's
-    own contribution P [B,H,n,F,E] and its total decay g [B|1,H,n]: X_0 = S0, X_{m+1} = g_m X_m + P_m.
+class _Chunked(NamedTuple):
+    """How ``_ChunkedAttention`` runs (see there)."""
 
-    One fused multiply-add per chunk, written into one buffer: the chunks are few (T / c). Written
-    as a Function because autograd through a loop of slices would zero-fill a full-size gradient
-    for every slice (quadratic in the number of chunks); here the backward is the same loop reversed.
+    phi: Optional[Callable]  # the feature map, applied block by block; None: q and k are features already
+    dphi: Optional[Callable]  # phi's derivative from its output (None: by autograd)
+    scale: float
+    chunk: int
+    block: int  # chunks per block
+    normalize: Optional[bool]  # None: v carries the normaliser column already; every column of y is returned
+    eps: float
+    dtype: torch.dtype  # the compute (state) dtype
+    out_dtype: torch.dtype
+
+
+# Tokens x heads per block on a CPU: a block's temporaries (a few MB) stay in cache and are reused
+# from the heap (docs/benchmarks.md, "The chunked form, block by block").
+BLOCK_TOKEN_HEADS = 8192
+# Calls of up to this many tokens x heads keep their blocks for backward instead of recomputing them
+KEEP_TOKEN_HEADS = 8192
+
+
+def _chunks_per_block(device: torch.device, heads: int, chunk: int, n: int) -> int:
+    """About ``BLOCK_TOKEN_HEADS`` tokens x heads per block on a CPU; one block elsewhere (an
+    accelerator's caching allocator reuses memory, and it wants few, large kernels)."""
+    if device.type != "cpu":
+        return max(n, 1)
+    return max(1, BLOCK_TOKEN_HEADS // (heads * chunk))
+
+
+def _blocks(T: int, chunk: int, block: int) -> list:
+    """(first token, chunks, chunk length) of each block: whole chunks, ``block`` at a time, then
+    the last T mod chunk tokens as one shorter chunk (the chunked algebra holds for any length, so
+    nothing is padded)."""
+    n, r = divmod(T, chunk)
+    blocks = [(m * chunk, min(block, n - m), chunk) for m in range(0, n, block)]
+    return blocks + [(n * chunk, 1, r)] if r else blocks
+
+
+def _block_view(x: torch.Tensor, t0: int, nb: int, c: int) -> torch.Tensor:
+    """[B, T, H, *] -> its tokens t0 .. t0 + nb c as [nb, B, H, c, *], chunk-major (a view; one
+    as_strided call instead of slice, unflatten and permute: short calls are bound by per-op cost)."""
+    sB, sT, sH, *rest = x.stride()
+    return x.as_strided((nb, x.shape[0], x.shape[2], c, *x.shape[3:]), (c * sT, sB, sH, sT, *rest),
+                        x.storage_offset() + t0 * sT)
+
+
+def _gather(x: torch.Tensor, dtype: torch.dtype, columns: Optional[int] = None) -> torch.Tensor:
+    """A contiguous copy of a block view in ``dtype``, with ``columns`` >= its last dimension (the
+    extra columns left for the caller to fill)."""
+    out = torch.empty(*x.shape[:-1], columns or x.shape[-1], dtype=dtype, device=x.device)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(c: int, device: torch.device) -> torch.Tensor:
+    """[c, c] True where key j comes after query i: the entries a causal chunk leaves out."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+
+
+def _block_inputs(q, k, v, ld, t0: int, nb: int, c: int, cfg: _Chunked, grad: bool = False):
+    """A block's features [nb, B, H, c, F], values with the normaliser column [nb, B, H, c, E] and
+    in-chunk cumulative log-decays b [nb, B|1, H, c] (or None), and with ``grad`` the feature
+    map's inputs (its graph recorded from them, for its gradient)."""
+    qb, kb = _block_view(q, t0, nb, c), _block_view(k, t0, nb, c)
+    if cfg.phi is None:
+        fq, fk, xq, xk = _gather(qb, cfg.dtype), _gather(kb, cfg.dtype), None, None
+    else:
+        # named maps act on each vector alone, so a block of the map is the map of the block
+        xq, xk = qb.to(cfg.dtype), kb.to(cfg.dtype)
+        if grad:
+            xq, xk = xq.detach().requires_grad_(), xk.detach().requires_grad_()
+        fq, fk = cfg.phi(xq).contiguous(), cfg.phi(xk).contiguous()
+    vb = _block_view(v, t0, nb, c)
+    if cfg.normalize is None:
+        vb = _gather(vb, cfg.dtype)
+    else:
+        vb = _gather(vb, cfg.dtype, vb.shape[-1] + 1)
+        vb[..., -1] = 1.0  # the normaliser column: y[..., -1] = sum_j s_ij, and the state's z
+    b = None if ld is None else _block_view(ld, t0, nb, c).cumsum(-1)
+    return fq, fk, vb, b, (xq, xk) if grad else None
+
+
+def _decays(b: torch.Tensor):
+    """From in-chunk cumulative log-decays b [nb, B|1, H, c]: exp(b_i) (the state before the chunk,
+    seen by query i), exp(b_last - b_j) (key j to the chunk's end), exp(b_last) (the whole chunk),
+    as [..., c, 1], [..., c, 1], [..., 1, 1]; every exponent <= 0."""
+    last = b[..., -1:]
+    return b.exp()[..., None], (last - b).exp_()[..., None], last.exp()[..., None]
+
+
+def _chunk_scores(fq3, fk3, b, shape):
+    """Causal in-chunk scores A [nb B H, c, c]: phi(q_i) . phi(k_j) for j <= i, times
+    D_ij = exp(b_i - b_j) with a decay; returns (A, D), D None without one."""
+    A = torch.bmm(fq3, fk3.transpose(1, 2))
+    if b is None:
+        return A.tril_(), None
+    c = b.shape[-1]
+    D = (b[..., :, None] - b[..., None, :]).masked_fill_(_above_diagonal(c, b.device), float("-inf")).exp_()
+    return A.view(*shape[:3], c, c).mul_(D).view(-1, c, c), D
+
+
+@functools.lru_cache(maxsize=16)
+def _lower_ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=dtype, device=device).tril_()
+
+
+def _scan_matrix(b, nb: int, heads: int, dtype, device) -> torch.Tensor:
+    """W with X = W Y for the recurrence X_0 = Y_0, X_m = g_{m-1} X_{m-1} + Y_m (m = 1 .. nb) over a
+    block's chunks, g the chunks' total decays: W[m, j] = g_j ... g_{m-1} for j <= m, 0 above.
+    [nb + 1, nb + 1] ones on and below the diagonal without a decay; [heads, nb + 1, nb + 1] with
+    one, from the exponents C_m - C_j <= 0 (C the cumulative chunk totals, in float64: differences
+    of long sums)."""
+    if b is None:
+        return _lower_ones(nb + 1, dtype, device)
+    C = torch.nn.functional.pad(b[..., -1].double().permute(1, 2, 0).cumsum(-1), (1, 0))  # [B|1, H, nb+1]
+    W = (C[..., :, None] - C[..., None, :]).masked_fill_(_above_diagonal(nb + 1, device), float("-inf"))
+    W = W.exp_().to(dtype)  # [B|1, H, nb+1, nb+1]: exp(C_m - C_j)
+    return W.expand(heads // W.shape[1], -1, -1, -1).reshape(heads, nb + 1, nb + 1)
+
+
+def _scan(W: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """W [nb+1, nb+1] or [B H, nb+1, nb+1] applied along the chunks of Y [nb+1, B, H, F, E]: one
+    matmul for all chunks (a loop would be one small kernel per chunk)."""
+    n1 = Y.shape[0]
+    if W.dim() == 2:
+        return (W @ Y.view(n1, -1)).view(Y.shape)
+    return torch.bmm(W, Y.view(n1, W.shape[0], -1).transpose(0, 1)).transpose(0, 1).contiguous().view(Y.shape)
+
+
+def _chunk_states(fk, vb, b, S, dec, W):
+    """X [nb + 1, B, H, F, E]: the state before each chunk of the block (X[0] = S) and after it."""
+    nb, B, H, c, Fd = fk.shape
+    E = vb.shape[-1]
+    Y = fk.new_empty(nb + 1, B, H, Fd, E)
+    Y[0] = S
+    kd = fk if b is None else fk * dec[1]  # each key decayed to its chunk's end
+    torch.bmm(kd.view(-1, c, Fd).transpose(1, 2), vb.view(-1, c, E), out=Y[1:].view(-1, Fd, E))  # chunk sums
+    return _scan(W, Y), kd  # X[m+1] = g_m X[m] + P_m
+
+
+class _Block(NamedTuple):
+    """What a block's forward computes and its backward needs."""
+
+    fq: torch.Tensor  # [nb, B, H, c, F] features
+    fk: torch.Tensor
+    vb: torch.Tensor  # [nb, B, H, c, E] values and the normaliser column
+    b: Optional[torch.Tensor]  # [nb, B|1, H, c] in-chunk cumulative log-decays, or None
+    dec: Optional[tuple]  # _decays(b)
+    W: torch.Tensor  # _scan_matrix: the chunk-to-chunk recurrence
+    X: torch.Tensor  # [nb + 1, B, H, F, E] the state before each chunk, and after the last
+    qd: torch.Tensor  # fq (and fk) times their decays, or fq (fk) themselves
+    kd: torch.Tensor
+    A: torch.Tensor  # [nb B H, c, c] causal (decayed) scores
+    D: Optional[torch.Tensor]  # [nb, B|1, H, c, c] the in-chunk decays, or None
+
+
+def _block(fq, fk, vb, b, S) -> _Block:
+    """A block's chunk states and scores from its inputs and the state S before it."""
+    nb, B, H, c, Fd = fq.shape
+    dec = None if b is None else _decays(b)
+    W = _scan_matrix(b, nb, B * H, fq.dtype, fq.device)
+    X, kd = _chunk_states(fk, vb, b, S, dec, W)
+    qd = fq if b is None else fq * dec[0]
+    A, D = _chunk_scores(fq.view(-1, c, Fd), fk.view(-1, c, Fd), b, fq.shape)
+    return _Block(fq, fk, vb, b, dec, W, X, qd, kd, A, D)
+
+
+def _block_output(blk: _Block) -> torch.Tensor:
+    """y [nb, B, H, c, E]: what the earlier chunks' state gives, plus the chunk's own scores."""
+    nb, B, H, c, Fd = blk.fq.shape
+    E = blk.vb.shape[-1]
+    y = torch.bmm(blk.qd.view(-1, c, Fd), blk.X[:-1].view(-1, Fd, E))
+    return y.baddbmm_(blk.A, blk.vb.view(-1, c, E)).view(nb, B, H, c, E)
+
+
+def _block_backward(blk: _Block, dy, dS, need_db: bool):
+    """Gradients of a block: (d fq, d fk, d vb, d ld) given dy and dS, the gradient reaching the
+    state after the block; dS becomes (in place) the gradient reaching the state before it."""
+    fq, fk, vb, b, dec, W, X, qd, kd, A, D = blk
+    nb, B, H, c, Fd = fq.shape
+    E = vb.shape[-1]
+    q3, k3, v3, dy3 = fq.view(-1, c, Fd), fk.view(-1, c, Fd), vb.view(-1, c, E), dy.view(-1, c, E)
+    # G[m]: the gradient reaching X[m]; G[nb] = dS, G[m] = qd_m^T dy_m + g_m G[m+1]: the transposed scan
+    G = fq.new_empty(nb + 1, B, H, Fd, E)
+    G[nb] = dS
+    torch.bmm(qd.view(-1, c, Fd).transpose(1, 2), dy3, out=G[:-1].view(-1, Fd, E))
+    G = _scan(W.transpose(-1, -2), G)
+    dS.copy_(G[0])
+    dP3 = G[1:].view(-1, Fd, E)  # the gradient of each chunk's sum
+    dA = torch.bmm(dy3, v3.transpose(1, 2))  # [nb B H, c, c]
+    dv = torch.bmm(kd.view(-1, c, Fd), dP3).baddbmm_(A.transpose(1, 2), dy3)
+    dq = torch.bmm(dy3, X[:-1].view(-1, Fd, E).transpose(1, 2))  # d qd
+    dk = torch.bmm(v3, dP3.transpose(1, 2))  # d kd
+    db = None
+    if b is None:
+        dA.tril_()
+    else:
+        dq5, dk5 = dq.view(fq.shape), dk.view(fq.shape)
+        if need_db:  # each exponent's gradient, then b's, then ld's (b = cumsum(ld))
+            G2 = (dA * A).view(nb, B, H, c, c)  # of b_i - b_j
+            k_term = torch.linalg.vecdot(dk5, kd)  # of b_last - b_j
+            db = G2.sum(-1) - G2.sum(-2) + torch.linalg.vecdot(dq5, qd) - k_term
+            d_last = k_term.sum(-1) + torch.linalg.vecdot(G[1:].flatten(-2), X[:-1].flatten(-2)) * dec[2][..., 0, 0]
+            if b.shape[1] != B:  # a decay shared by the batch
+                db, d_last = db.sum(1, keepdim=True), d_last.sum(1, keepdim=True)
+            # ld_t's gradient: every db_i with i >= t (one matmul), and b_last's
+            db = torch.matmul(db, _lower_ones(c, db.dtype, db.device)).add_(d_last[..., None])
+        dA.view(nb, B, H, c, c).mul_(D)  # the gradient of the undecayed scores
+        dq5.mul_(dec[0])
+        dk5.mul_(dec[1])
+    dq.baddbmm_(dA, k3)
+    dk.baddbmm_(dA.transpose(1, 2), q3)
+    return dq.view(fq.shape), dk.view(fq.shape), dv.view(vb.shape), db
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """LT_chunked, block by block: ``(o, S_end)`` from q, k [B, T, H, Dk] (their features when
+    ``cfg.phi`` is None), v [B, T, H, Dv], log-decays ld [B|1, T, H] or None, and the state S0
+    [B, H, F, E] (its last column the normaliser z).
+
+    Inside a chunk of c tokens the (decayed) scores are a [c, c] matrix; across chunks a state
+    carries what came before. Chunks are taken ``cfg.block`` at a time, every head of a block in
+    one batched matmul, and the state is carried from block to block. Every temporary is a
+    block's worth, never T-sized, so the speed does not depend on how the allocator treats large
+    blocks (glibc maps and page-faults anything above 32 MiB afresh on every call). The feature
+    map, the normaliser column of ones, the scale and the division happen per block too: the
+    only T-sized tensors are the output and, in backward, the gradients.
+
+    Backward is derived by hand and runs over the blocks in reverse, carrying the gradient of the
+    state. It recomputes a block's features, chunk states and scores from the inputs and the
+    state at the block's start; besides the inputs it keeps only those states, the output and
+    the normaliser. Short calls (up to ``KEEP_TOKEN_HEADS`` tokens x heads) keep their blocks
+    instead: a few MB, and backward then runs fewer, larger kernels.
+
+    With a decay, b is the cumulative log-decay from each chunk's start (<= 0), and every exponent
+    is a difference b_i - b_j (j <= i), b_i, b_last - b_j or b_last, all <= 0: nothing overflows.
     """
 
     @staticmethod
-    def forward(ctx, S0, P, g):
-        B, H, n = P.shape[:3]
-        X = P.new_empty(B, H, n + 1, *P.shape[3:])
-        X[:, :, 0] = S0
-        for m in range(n):
-            torch.addcmul(P[:, :, m], g[:, :, m, None, None], X[:, :, m], out=X[:, :, m + 1])
-        ctx.save_for_backward(X, g)
-        return X
+    def forward(ctx, q, k, v, ld, S0, cfg: _Chunked):
+        B, T, H = q.shape[:3]
+        Dv = v.shape[-1]
+        o = torch.empty(B, T, H, Dv, dtype=cfg.dtype, device=q.device)
+        den = torch.empty(B, T, H, dtype=cfg.dtype, device=q.device) if cfg.normalize else None
+        blocks = _blocks(T, cfg.chunk, cfg.block)
+        states = S0.new_empty(len(blocks) + 1, *S0.shape)  # the state before each block, and the last
+        states[0] = S0
+        # a short call keeps its blocks for backward (block-sized, and fewer, larger kernels than
+        # recomputing them); a long one keeps only the states between blocks
+        keep = q.shape[0] * T * q.shape[2] <= KEEP_TOKEN_HEADS and (cfg.phi is None or cfg.dphi is not None)
+        kept = []
+        for i, (t0, nb, c) in enumerate(blocks):
+            blk = _block(*_block_inputs(q, k, v, ld, t0, nb, c, cfg)[:4], states[i])
+            y = _block_output(blk)
+            states[i + 1] = blk.X[nb]
+            if keep:
+                kept.append(blk)
+            if cfg.scale != 1.0:
+                y.mul_(cfg.scale)
+            out = _block_view(o, t0, nb, c)
+            if cfg.normalize:
+                d = torch.add(y[..., Dv], cfg.eps, out=_block_view(den, t0, nb, c))
+                torch.div(y[..., :Dv], d[..., None], out=out)
+            else:
+                out.copy_(y[..., :Dv])
+        ctx.save_for_backward(q, k, v, ld, states, den, o)
+        ctx.cfg, ctx.kept = cfg, kept
+        return o.to(cfg.out_dtype), states[-1].clone()
 
     @staticmethod
-    def backward(ctx, dX):
-        X, g = ctx.saved_tensors
-        n = g.shape[2]
-        dP = torch.empty_like(dX[:, :, 1:])  # dP_m is the whole gradient reaching X_{m+1}
-        carry = dX[:, :, n]
-        for m in range(n - 1, -1, -1):
-            dP[:, :, m] = carry
-            carry = torch.addcmul(dX[:, :, m], g[:, :, m, None, None], carry)
-        dg = (dP * X[:, :, :-1]).sum((-1, -2))  # [B,H,n]
-        if g.shape[0] != dg.shape[0]:  # a decay shared by the batch
-            dg = dg.sum(0, keepdim=True)
-        return carry, dP, dg
-
-
-class _DecayedChunkAttention(torch.autograd.Function):
-    """Attention inside each chunk with the decay between query i and key j: y = ((Q K^T) * D) V,
-    D_ij = exp(b_i - b_j) for j <= i, else 0, from the in-chunk cumulative log-decays b [B|1,H,n,c].
-
-    By hand rather than by autograd to pass over the [c, c] blocks fewer times and keep two of
-    them for backward instead of three: the block's gradient dA gives the gradient of every
-    exponent b_i - b_j as dA * A (A the decayed scores), and then, scaled by D in place, those of q and k.
-    """
-
-    @staticmethod
-    def forward(ctx, qc, kc, vc, b):
-        c = qc.shape[-2]
-        mask = _causal_mask(c, c, 0, qc.device)
-        D = (b[..., :, None] - b[..., None, :]).masked_fill_(~mask, float("-inf")).exp_()  # [B|1,H,n,c,c]
-        A = torch.matmul(qc, kc.transpose(-1, -2)).mul_(D)  # [B,H,n,c,c]
-        ctx.save_for_backward(qc, kc, vc, A, D)
-        ctx.b_shape = b.shape
-        return A @ vc
-
-    @staticmethod
-    def backward(ctx, dy):
-        qc, kc, vc, A, D = ctx.saved_tensors
-        dA = dy @ vc.transpose(-1, -2)  # [B,H,n,c,c]
-        dv = A.transpose(-1, -2) @ dy
-        db = None
-        if ctx.needs_input_grad[3]:
-            G = dA * A  # gradient of each exponent b_i - b_j
-            db = G.sum(-1) - G.sum(-2)  # [B,H,n,c]
-            if ctx.b_shape[0] != db.shape[0]:  # a decay shared by the batch
-                db = db.sum(0, keepdim=True)
-        dS = dA.mul_(D)  # gradient of the undecayed scores Q K^T
-        return dS @ kc, dS.transpose(-1, -2) @ qc, dv, db
+    @once_differentiable  # the hand-derived backward is not itself differentiable: a clear error, not a wrong one
+    def backward(ctx, do, dS_end):
+        q, k, v, ld, states, den, o = ctx.saved_tensors
+        cfg = ctx.cfg
+        Dv = v.shape[-1]
+        need_db = ld is not None and ctx.needs_input_grad[3]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dld = torch.empty(ld.shape, dtype=cfg.dtype, device=ld.device) if need_db else None
+        dS = dS_end.clone()  # the gradient reaching the state after the block at hand
+        blocks = _blocks(q.shape[1], cfg.chunk, cfg.block)
+        by_autograd = cfg.phi is not None and cfg.dphi is None
+        for i in range(len(blocks) - 1, -1, -1):
+            t0, nb, c = blocks[i]
+            if ctx.kept:
+                blk = ctx.kept[i]
+            else:
+                with torch.set_grad_enabled(by_autograd):
+                    fq, fk, vb, b, x = _block_inputs(q, k, v, ld, t0, nb, c, cfg, grad=by_autograd)
+                blk = _block(fq.detach(), fk.detach(), vb, b, states[i])
+            dy = torch.empty(blk.vb.shape, dtype=cfg.dtype, device=q.device)
+            do_b = _block_view(do, t0, nb, c)
+            if cfg.normalize:  # o = y / d: dy = do / d, d(d) = -sum(do o) / d
+                torch.div(do_b, _block_view(den, t0, nb, c)[..., None], out=dy[..., :Dv])
+                torch.sum(dy[..., :Dv] * _block_view(o, t0, nb, c), -1, out=dy[..., Dv]).neg_()
+            else:
+                dy[..., :Dv] = do_b
+                dy[..., Dv:] = 0.0
+            if cfg.scale != 1.0:
+                dy.mul_(cfg.scale)
+            dfq, dfk, dvb, db = _block_backward(blk, dy, dS, need_db)
+            if cfg.dphi is not None:
+                dfq, dfk = dfq.mul_(cfg.dphi(blk.fq)), dfk.mul_(cfg.dphi(blk.fk))
+            elif by_autograd:
+                dfq, dfk = torch.autograd.grad((fq, fk), x, (dfq, dfk))
+            _block_view(dq, t0, nb, c).copy_(dfq)
+            _block_view(dk, t0, nb, c).copy_(dfk)
+            _block_view(dv, t0, nb, c).copy_(dvb[..., :Dv])
+            if need_db:
+                _block_view(dld, t0, nb, c).copy_(db)
+        return dq, dk, dv, dld, dS, None
 
 
 def _chunked(fq, fk, v, S0, chunk, ld=None):
-    """LT_chunked: states only at chunk boundaries, attention inside each chunk. Any T."""
-    B, H, T, Fd = fq.shape
-    E = v.shape[-1]
-    chunk = min(chunk, T)  # a chunk longer than the sequence would only add padding
-    pad = (-T) % chunk
-    if pad:  # zero keys and values add nothing to the state; padded outputs are dropped
-        fq, fk, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))
-        if ld is not None:  # and padded steps must not decay the final state
-            ld = torch.nn.functional.pad(ld, (0, pad))
-    n = (T + pad) // chunk
-    qc = fq.reshape(B, H, n, chunk, Fd)
-    kc = fk.reshape(B, H, n, chunk, Fd)
-    vc = v.reshape(B, H, n, chunk, E)
-    if ld is None:
-        P = kc.transpose(-1, -2) @ vc  # [B,H,n,F,E] each chunk's contribution
-        # exclusive prefix sum: the state before each chunk (cat + cumsum avoids cumsum(P) - P cancellation)
-        S_before = torch.cumsum(torch.cat([S0[:, :, None], P[:, :, :-1]], dim=2), dim=2)  # [B,H,n,F,E]
-        # in place is safe: matmul's backward needs its inputs, not its output
-        A = (qc @ kc.transpose(-1, -2)).tril_()  # [B,H,n,c,c] causal within the chunk
-        y = torch.matmul(qc, S_before).add_(A @ vc)  # [B,H,n,c,E]
-        S = S_before[:, :, -1] + P[:, :, -1]
-        return y.reshape(B, H, n * chunk, E)[:, :, :T], S
-    # b: cumulative log-decay from the chunk's start, [B|1,H,n,c]; every exponent below is a
-    # difference b_i - b_j (j <= i), b_i or b_last - b_j, all <= 0
-    b = ld.reshape(ld.shape[0], H, n, chunk).cumsum(-1)
-    last = b[..., -1:]  # [B|1,H,n,1]
-    P = (kc * (last - b).exp()[..., None]).transpose(-1, -2) @ vc  # [B,H,n,F,E] decayed to the chunk's end
-    states = _ChunkStates.apply(S0, P, last[..., 0].exp())  # [B,H,n+1,F,E]
-    y = torch.matmul(qc * b.exp()[..., None], states[:, :, :-1])  # [B,H,n,c,E] from the earlier chunks
-    y = y.add_(_DecayedChunkAttention.apply(qc, kc, vc, b))
-    return y.reshape(B, H, n * chunk, E)[:, :, :T], states[:, :, -1]
+    """LT_chunked as a form: features [B, H, T, F], v with its normaliser column [B, H, T, E]. (The
+    op itself calls ``_ChunkedAttention`` on q, k, v directly, with the feature map inside.)"""
+    B, H, T, _ = fq.shape
+    chunk = min(chunk, T)
+    cfg = _Chunked(None, None, 1.0, chunk, _chunks_per_block(fq.device, B * H, chunk, T // chunk), None, 0.0,
+                   fq.dtype, fq.dtype)
+    ld = None if ld is None else ld.transpose(1, 2)
+    y, S = _ChunkedAttention.apply(fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2), ld, S0, cfg)
+    return y.transpose(1, 2), S
 
 
 FORMS: dict[str, Callable] = {
@@ -308,10 +520,10 @@ def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> Non
     if log_decay.device != device:
         raise ValueError(f"log_decay must be on {device} like q, got {log_decay.device}")
     if log_decay.device.type == "cpu":
-        bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0
-        if bad.any():
-            x = log_decay[bad][0].item()
-            raise ValueError(f"log_decay must be finite and <= 0 (decays in (0, 1]), got {x}")
+        lo, hi = torch.aminmax(log_decay)  # one pass; a NaN makes both NaN
+        if not (hi <= 0 and lo > float("-inf")):
+            bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0
+            raise ValueError(f"log_decay must be finite and <= 0 (decays in (0, 1]), got {log_decay[bad][0].item()}")
 
 
 def _log_decay_head_first(log_decay, B: int, T: int, H: int, dtype) -> torch.Tensor:
@@ -319,6 +531,47 @@ def _log_decay_head_first(log_decay, B: int, T: int, H: int, dtype) -> torch.Ten
     if log_decay.dim() == 1:
         return log_decay.to(dtype)[None, :, None].expand(1, H, T)
     return log_decay.to(dtype).transpose(1, 2)
+
+
+def _resolve_chunk(chunk_size, T: int, Dv: int, Fd: int, dtype, device, gated: bool) -> int:
+    if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
+        from .chunk_tuning import auto_chunk_size
+
+        return auto_chunk_size(T, Dv, Fd, dtype, device, gated=gated)
+    return chunk_size
+
+
+def _state0(initial_state, B: int, H: int, Fd: int, Dv: int, dtype, device) -> torch.Tensor:
+    """The state to start from, [B, H, F, Dv + 1]: S with z as its last column."""
+    if initial_state is None:
+        return torch.zeros(B, H, Fd, Dv + 1, dtype=dtype, device=device)
+    S, z = _check_state(initial_state, B, H, Fd, Dv, dtype, device)
+    return torch.cat([S, z[..., None]], dim=-1)
+
+
+def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, initial_state,
+                       output_final_state, log_decay):
+    """The chunked form on q, k, v [B, T, H, D] (``_ChunkedAttention``); a named feature map is
+    applied inside it, block by block, so that no T-sized features are ever stored."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    dtype = compute_dtype(q.dtype)
+    if isinstance(feature_map, str) and feature_map != "identity":
+        phi, Fd = resolve_feature_map(feature_map)[0], named_feature_dim(feature_map, Dk)
+    else:  # a module may hold (per-head) parameters: it is applied here, to [B, T, H, D]
+        phi, (q, k) = None, _featurize(q, k, feature_map, 1.0)
+        Fd = q.shape[-1]
+    dphi = OUTPUT_DERIVATIVES.get(feature_map) if phi is not None else None
+    chunk = min(_resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None), T)
+    S0 = _state0(initial_state, B, H, Fd, Dv, dtype, q.device)
+    ld = None
+    if log_decay is not None:
+        ld = log_decay.to(dtype)
+        ld = ld.expand(1, T, H) if ld.dim() == 1 else ld  # a fixed [H] decay: the same for every token
+    cfg = _Chunked(phi, dphi, scale, chunk, _chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
+                   dtype, v.dtype)
+    o, S_end = _ChunkedAttention.apply(q, k, v, ld, S0, cfg)
+    return o, ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
 
 
 def linear_attention(
@@ -362,6 +615,9 @@ def linear_attention(
     if chunk_size != "auto":
         check_positive_int("chunk_size", chunk_size)
     _check_scalars(normalize, scale, eps)
+    if form == "chunked":
+        return _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, initial_state,
+                                  output_final_state, log_decay)
     out_dtype = q.dtype
     if isinstance(feature_map, str):  # named maps act on each vector alone: apply them head-first
         fq, fk = _featurize(q.transpose(1, 2), k.transpose(1, 2), feature_map, scale)  # [B,H,T,F]
@@ -369,15 +625,8 @@ def linear_attention(
         fq, fk = (x.transpose(1, 2) for x in _featurize(q, k, feature_map, scale))  # [B,H,T,F]
     dtype = fq.dtype
     Fd = fq.shape[-1]
-    if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
-        from .chunk_tuning import auto_chunk_size
-
-        chunk_size = auto_chunk_size(T, Dv, Fd, dtype, q.device, gated=log_decay is not None)
-    if initial_state is None:
-        S0 = torch.zeros(B, H, Fd, Dv + 1, dtype=dtype, device=q.device)
-    else:
-        S, z = _check_state(initial_state, B, H, Fd, Dv, dtype, q.device)
-        S0 = torch.cat([S, z[..., None]], dim=-1)
+    chunk_size = _resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None)
+    S0 = _state0(initial_state, B, H, Fd, Dv, dtype, q.device)
     # the extra column of ones carries the normaliser: y[..., -1] = sum_j s_ij, S0[..., -1] = z
     # built directly in the [B,H,T,Dv+1] layout the forms use: one copy of v instead of two
     ones = torch.ones(B, H, T, 1, dtype=dtype, device=v.device)

@@ -151,6 +151,36 @@ def test_large_keys_stay_finite_and_accurate(variant, causal):
     assert torch.isfinite(g).all()
 
 
+@pytest.mark.parametrize("T", [1, 2 * aft_module.SIMPLE_CHUNK, 2 * aft_module.SIMPLE_CHUNK + 3])
+@pytest.mark.parametrize("path", ["chunks", "scans over T"])
+def test_simple_causal_paths_match_reference(T, path, monkeypatch):
+    """Both paths of causal AFT-simple, each forced: outputs and gradients, T across chunk boundaries."""
+    monkeypatch.setattr(aft_module, "_simple_gap_ok", lambda k: False)  # not the two plain cumsums
+    if path == "chunks":
+        monkeypatch.setattr(aft_module, "_log_sums", None)  # fails if called
+    else:
+        monkeypatch.setitem(aft_module.UNDERFLOW_GAP, torch.float64, 0.0)
+    q, k, v = inputs(2, T, 2, 3, seed=9)
+    assert_matches_reference(q, k, v, None, variant="simple", causal=True)
+
+
+def test_simple_causal_keys_drifting_to_huge_values_take_the_chunks(monkeypatch):
+    """Keys that climb to +400 and others that fall to -400 (float32: exp overflows past 88), 0.4 per
+    token: the chunked path (no scan over T), finite and accurate, gradients finite."""
+    monkeypatch.setattr(aft_module, "_log_sums", None)
+    T = 1000
+    q, k, v = inputs(1, T, 2, 4, dtype=torch.float32, seed=10)
+    drift = torch.linspace(0, 400, T)[None, :, None, None]
+    k = k + torch.cat([drift, -drift], dim=2)
+    o = aft(q, k, v, variant="simple")
+    assert torch.isfinite(o).all()
+    ref = aft_reference(q.double(), k.double(), v.double(), variant="simple")
+    torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4)
+    k.requires_grad_(True)
+    (g,) = torch.autograd.grad(aft(q, k, v, variant="simple").sum(), k)
+    assert torch.isfinite(g).all()
+
+
 def test_simple_causal_long_sequence_float32_precision():
     q, k, v = inputs(1, 2048, 1, 8, dtype=torch.float32, seed=6)
     o = aft(q, k * 3, v, variant="simple")
