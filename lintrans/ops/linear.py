@@ -347,6 +347,22 @@ def _block_backward(blk: _Block, dy, dS, need_db: bool):
     return dq.view(fq.shape), dk.view(fq.shape), dv.view(vb.shape), db
 
 
+def _without_autocast(fn):
+    """Run an autograd Function's forward/backward with autocast off for the device of its first
+    tensor argument: the op chooses its own dtypes (float32 accumulation), and autocast would turn
+    its matmuls to 16 bits and break its in-place accumulations."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx, x, *args):
+        kind = x.device.type
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return fn(ctx, x, *args)
+        return fn(ctx, x, *args)
+
+    return wrapper
+
+
 class _ChunkedAttention(torch.autograd.Function):
     """LT_chunked, block by block: ``(o, S_end)`` from q, k [B, T, H, Dk] (their features when
     ``cfg.phi`` is None), v [B, T, H, Dv], log-decays ld [B|1, T, H] or None, and the state S0
@@ -371,6 +387,7 @@ class _ChunkedAttention(torch.autograd.Function):
     """
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, q, k, v, ld, S0, cfg: _Chunked):
         B, T, H = q.shape[:3]
         Dv = v.shape[-1]
@@ -403,6 +420,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the hand-derived backward is not itself differentiable: a clear error, not a wrong one
+    @_without_autocast
     def backward(ctx, do, dS_end):
         q, k, v, ld, states, den, o = ctx.saved_tensors
         cfg = ctx.cfg

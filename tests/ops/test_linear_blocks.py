@@ -133,3 +133,24 @@ def test_half_precision_gradients(monkeypatch, dtype):
     for lo, hi in zip(grads[dtype], grads[torch.float32]):
         assert lo.dtype == dtype
         assert ((lo.float() - hi).abs().max() / hi.abs().max()).item() < 3e-2
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("decay", [False, True])
+def test_bf16_autocast_leaves_the_op_in_float32(monkeypatch, decay, keep):
+    """Under bf16 autocast (as a mixed-precision training step runs it) the op still accumulates in
+    float32: float32 inputs give exactly what they give without autocast, gradients included."""
+    chunks_per_block(monkeypatch, 1, 2, 8, 2, keep=keep)
+    q, k, v = random_qkv(1, 45, 2, 8, 5, dtype=torch.float32, seed=6)
+    ld = -torch.rand(1, 45, 2) / 4 if decay else None
+    results = []
+    for autocast in (False, True):
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            o, (S, z) = linear_attention(*xs, chunk_size=8, log_decay=ld, output_final_state=True)
+            loss = o.square().sum() + S.sum() + z.sum()
+        loss.backward()
+        results.append([o, S, z] + [x.grad for x in xs])
+    for a, b in zip(*results):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
