@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 from .scan import decayed_scan
@@ -46,6 +47,9 @@ CHUNK = 32
 UNDERFLOW_GAP = {torch.float32: 60.0, torch.float64: 600.0}
 # tokens per chunk of causal AFT-simple (its in-chunk sums are cumulative sums; chunks are carried by a scan)
 SIMPLE_CHUNK = 64
+# elements (tokens x heads x channels) per block of the two-cumsum path of causal AFT-simple: a block's
+# temporaries stay in cache and are reused, so no T-sized temporary is ever allocated
+SIMPLE_BLOCK_ELEMENTS = 65536
 # local/conv take the O(T*W*D) banded path once the [Hw, T, T] bias matrix is larger than this times
 # the band [B, H, T, W, D]: band work is elementwise, slower per entry than the T x T matmul (on a CPU
 # core the two cross near ratio 0.3-0.75 for W = D = 64; 1.0 also keeps the band's memory below the matrix)
@@ -269,15 +273,66 @@ def _aft_simple_causal(k, v):
     return mean.view(B, H, n * c, D)[:, :, :T]
 
 
-def _aft_simple_causal_cumsum(k, v):
-    """The same as ``_aft_simple_causal`` by two plain cumulative sums, k, v: [B,T,H,D] (any layout).
+def _reverse_cumsum(x):
+    """sum over t >= j along dim 1, summed from the end: a total minus a prefix would cancel
+    catastrophically (the early terms a_t = G_t / den_t can be far larger than the late ones)."""
+    return torch.cumsum(x.flip(1), 1).flip(1)
 
-    One reference per channel, the largest key M: every term exp(k_j - M) <= 1. Row t's largest
-    term is at least exp(k_0 - M) (its prefix holds key 0), so while M - k_0 < UNDERFLOW_GAP no row
-    loses its leading terms; the caller checks that and otherwise takes the log-space scans.
+
+class _SimpleCausal(torch.autograd.Function):
+    """Causal AFT-simple by two plain cumulative sums against one reference per channel, the largest
+    key M: o_t = sigmoid(q_t) * sum_{j<=t} e_j v_j / sum_{j<=t} e_j with e_j = exp(k_j - M) <= 1.
+    Row t's largest term is at least exp(k_0 - M) (its prefix holds key 0), so while
+    M - k_0 < UNDERFLOW_GAP no row loses its leading terms; the caller checks that (``_simple_gap_ok``).
+
+    q, k, v [B, T, H, D] in the compute dtype. The sums run block by block along T, their totals
+    carried, so every temporary is a block's worth; backward recomputes a block from the carried
+    totals and takes the reverse cumulative sums of a_t = G_t / den_t and a_t * mean_t:
+    dv_j = e_j A_j and dk_j = e_j (v_j A_j - C_j). M gets no gradient: it cancels in the ratio.
     """
-    e = torch.exp(k - k.detach().amax(dim=1, keepdim=True))  # [B,T,H,D] <= 1
-    return torch.cumsum(e * v, dim=1) / torch.cumsum(e, dim=1)
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, T, H, D = k.shape
+        block = max(1, SIMPLE_BLOCK_ELEMENTS // (B * H * D))
+        M = k.amax(dim=1, keepdim=True)  # [B,1,H,D]
+        o = torch.empty_like(v)
+        totals = k.new_zeros(-(-T // block) + 1, 2, B, 1, H, D)  # (num, den) before each block
+        for i, t0 in enumerate(range(0, T, block)):
+            t1 = min(t0 + block, T)
+            e = torch.exp(k[:, t0:t1] - M)
+            num = torch.cumsum(e * v[:, t0:t1], 1).add_(totals[i, 0])
+            den = torch.cumsum(e, 1).add_(totals[i, 1])
+            totals[i + 1, 0], totals[i + 1, 1] = num[:, -1:], den[:, -1:]
+            torch.mul(torch.sigmoid(q[:, t0:t1]), num.div_(den), out=o[:, t0:t1])
+        ctx.save_for_backward(q, k, v, M, totals)
+        ctx.block = block
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, go):
+        q, k, v, M, totals = ctx.saved_tensors
+        T, block = k.shape[1], ctx.block
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        A_after = C_after = 0.0  # the reverse sums from the blocks after the one at hand
+        starts = range(0, T, block)
+        for i in range(len(starts) - 1, -1, -1):
+            t0 = starts[i]
+            t1 = min(t0 + block, T)
+            vb, gb = v[:, t0:t1], go[:, t0:t1]
+            e = torch.exp(k[:, t0:t1] - M)
+            den = torch.cumsum(e, 1).add_(totals[i, 1])
+            mean = torch.cumsum(e * vb, 1).add_(totals[i, 0]).div_(den)
+            s = torch.sigmoid(q[:, t0:t1])
+            a = (gb * s).div_(den)  # the gradient reaching num_t; -a_t mean_t reaches den_t
+            A = _reverse_cumsum(a).add_(A_after)
+            C = _reverse_cumsum(a.mul_(mean)).add_(C_after)
+            A_after, C_after = A[:, :1], C[:, :1]
+            torch.mul(e, A, out=dv[:, t0:t1])
+            torch.mul(vb, A, out=dk[:, t0:t1]).sub_(C).mul_(e)
+            torch.mul(gb * mean, s * (1 - s), out=dq[:, t0:t1])
+        return dq, dk, dv
 
 
 def _simple_gap_ok(k) -> bool:
@@ -315,9 +370,9 @@ def aft(
     if variant == "simple" and causal:
         k32, v32 = k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T with H*D contiguous
         if _simple_gap_ok(k32):  # keys of ordinary size: two cumsums
-            mean = _aft_simple_causal_cumsum(k32, v32)
-        else:  # a huge key late in the sequence: chunks with their own references
-            mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
+            return _SimpleCausal.apply(q.to(dtype), k32, v32).to(q.dtype)
+        # a huge key late in the sequence: chunks with their own references
+        mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
         return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
     kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
     if variant == "simple":  # not causal: one softmax over all keys
