@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .validation import check_number, check_positive_int, check_qkv, compute_dtype
+from .validation import check_number, check_positive_int, check_qkv, compute_dtype, reads_values
 from .scan import decayed_scan
 from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 
@@ -526,7 +526,8 @@ def _check_scalars(normalize, scale, eps):
 
 
 def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> None:
-    """Shapes always; values (finite, <= 0) only on the CPU, where checking them costs no device sync."""
+    """Shapes always; values (finite, <= 0) only on the CPU, where checking them costs no device sync
+    (``reads_values``)."""
     layout = "[B, T, H] or [H]" if T is not None else "[B, H] or [H]"
     if not isinstance(log_decay, torch.Tensor):
         raise TypeError(f"log_decay must be None or a torch.Tensor {layout}, got {type(log_decay).__name__}")
@@ -537,7 +538,7 @@ def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> Non
         raise ValueError(f"log_decay must have shape {list(full)} or [{H}] ({layout}), got {list(log_decay.shape)}")
     if log_decay.device != device:
         raise ValueError(f"log_decay must be on {device} like q, got {log_decay.device}")
-    if log_decay.device.type == "cpu":
+    if reads_values(log_decay.device):
         lo, hi = torch.aminmax(log_decay)  # one pass; a NaN makes both NaN
         if not (hi <= 0 and lo > float("-inf")):
             bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0

@@ -7,6 +7,16 @@ from lintrans.checks import check_number, check_positive_int  # noqa: F401 (the 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Device types whose tensors the host reads for free. Checks of values (``.item()``, ``bool(t)``)
+# and choices of path made from values run only there: on an accelerator each read waits for every
+# queued kernel (a host sync), so there only shapes, dtypes and devices are checked.
+HOST_READ_DEVICES = frozenset({"cpu"})
+
+
+def reads_values(device) -> bool:
+    """Whether value checks run for tensors on ``device`` (see ``HOST_READ_DEVICES``)."""
+    return torch.device(device).type in HOST_READ_DEVICES
+
 
 def check_tensor(name: str, x, ndim: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
