@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .validation import check_number, check_positive_int, check_qkv, compute_dtype, reads_values
+from .validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
 from .scan import decayed_scan
 from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 
@@ -354,11 +354,8 @@ def _without_autocast(fn):
 
     @functools.wraps(fn)
     def wrapper(ctx, x, *args):
-        kind = x.device.type
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-            with torch.autocast(kind, enabled=False):
-                return fn(ctx, x, *args)
-        return fn(ctx, x, *args)
+        with autocast_off(x.device):
+            return fn(ctx, x, *args)
 
     return wrapper
 
@@ -654,7 +651,8 @@ def linear_attention(
     # matmuls would otherwise copy these strided views for every product, forward and backward
     fq, fk = fq.contiguous(), fk.contiguous()  # [B,H,T,F]
     ld = None if log_decay is None else _log_decay_head_first(log_decay, B, T, H, dtype)  # [B|1,H,T]
-    y, S_end = FORMS[form](fq, fk, v1, S0, chunk_size, ld)  # y: [B,H,T,Dv+1]
+    with autocast_off(q.device):  # the forms accumulate in the state dtype under mixed precision too
+        y, S_end = FORMS[form](fq, fk, v1, S0, chunk_size, ld)  # y: [B,H,T,Dv+1]
     y = y.transpose(1, 2)  # [B,T,H,Dv+1]
     o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]
     state = (S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None
@@ -690,14 +688,15 @@ def linear_attention_step(
         z = torch.zeros(B, H, Fd, dtype=dtype, device=q.device)
     else:
         S, z = _check_state(state, B, H, Fd, Dv, dtype, q.device, arg="state")
-    if log_decay is not None:
-        g = log_decay.to(dtype).exp().expand(B, H)  # [B,H]
-        S, z = S * g[..., None, None], z * g[..., None]
-    S = torch.addcmul(S, fk[..., :, None], v.to(dtype)[..., None, :])  # S + phi(k) v^T, one op
-    z = z + fk
-    num = (fq[..., None, :] @ S).squeeze(-2)  # [B,H,Dv]; a batched matmul costs less per token than einsum
-    if normalize:
-        num = num / ((fq * z).sum(-1, keepdim=True) + eps)
+    with autocast_off(q.device):  # the state and its readout in the state dtype under mixed precision too
+        if log_decay is not None:
+            g = log_decay.to(dtype).exp().expand(B, H)  # [B,H]
+            S, z = S * g[..., None, None], z * g[..., None]
+        S = torch.addcmul(S, fk[..., :, None], v.to(dtype)[..., None, :])  # S + phi(k) v^T, one op
+        z = z + fk
+        num = (fq[..., None, :] @ S).squeeze(-2)  # [B,H,Dv]; a batched matmul costs less per token than einsum
+        if normalize:
+            num = num / ((fq * z).sum(-1, keepdim=True) + eps)
     return num.to(q.dtype), (S, z)
 
 

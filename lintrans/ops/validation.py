@@ -1,6 +1,8 @@
 """Argument checks shared by every op: clear errors instead of silent broadcasts."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from lintrans.checks import check_number, check_positive_int  # noqa: F401 (the ops import them from here)
@@ -16,6 +18,16 @@ HOST_READ_DEVICES = frozenset({"cpu"})
 def reads_values(device) -> bool:
     """Whether value checks run for tensors on ``device`` (see ``HOST_READ_DEVICES``)."""
     return torch.device(device).type in HOST_READ_DEVICES
+
+
+def autocast_off(device):
+    """A context with autocast off for ``device``'s type (a no-op where it is off or has none): ops
+    that choose their own dtypes (states and normalisers in float32) run in them under a
+    mixed-precision training step too, instead of autocast turning their matmuls to 16 bits."""
+    kind = torch.device(device).type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def check_tensor(name: str, x, ndim: int, layout: str) -> None:
