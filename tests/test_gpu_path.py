@@ -243,3 +243,28 @@ def test_every_linear_form_runs_on_the_meta_device(form, decay):
     o, (S, z) = linear_attention(q, k, v, form=form, chunk_size=4, log_decay=ld, output_final_state=True)
     (o.sum() + S.sum() + z.sum()).backward()
     assert o.device.type == S.device.type == q.grad.device.type == "meta"
+
+
+def test_benchmark_steps_run_on_the_meta_device():
+    """``lintrans bench ops|train --device cuda`` build their steps with ``device=``: every op series
+    and a training step of each attention kind run on the meta device (one untimed call each)."""
+    from lintrans.bench.ops import make_op_step, op_series
+    from lintrans.bench.train import gpt_config, make_train_step
+
+    for name, fn in op_series(16).items():
+        make_op_step(fn, 64, H=2, D=16, device="meta")()
+    for attention, form in [("softmax", None), ("linear", "chunked"), ("gated-linear", "chunked"),
+                            ("retention", "chunked"), ("linear", "state_parallel")]:
+        make_train_step(gpt_config("4L-128", 64, attention, form, 16), 64, "meta")()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")
+@pytest.mark.parametrize("argv", [["bench", which, "--device", "cuda"] for which in ("ops", "train", "generate",
+                                                                                     "loss", "all")])
+def test_bench_on_cuda_without_cuda_is_one_line(argv):
+    from lintrans.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value)
+    assert message == "lintrans bench: --device is 'cuda' but no CUDA device is available", message
