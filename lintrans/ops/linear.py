@@ -590,6 +590,18 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
     return o, ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
 
 
+def _fla_attention(q, k, v, form, feature_map, normalize, scale, eps, initial_state, output_final_state, log_decay):
+    """backend="fla": our feature map and state layout around flash-linear-attention's chunked kernel."""
+    from .fla_backend import check_fla_case, fla_linear_attention
+
+    check_fla_case(q, form)
+    B, _, H, _, Dv = check_qkv(q, k, v)
+    fq, fk = _featurize(q, k, feature_map, 1.0)  # [B,T,H,F] in the state dtype
+    S0 = None if initial_state is None else _state0(initial_state, B, H, fq.shape[-1], Dv, fq.dtype, q.device)
+    return fla_linear_attention(q, k, v, fq, fk, S0, log_decay, normalize=normalize, scale=scale, eps=eps,
+                                output_final_state=output_final_state)
+
+
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -604,6 +616,7 @@ def linear_attention(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     log_decay: Optional[torch.Tensor] = None,
+    backend: str = "torch",
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Causal linear attention. q, k: [B, T, H, Dk], v: [B, T, H, Dv] -> (o [B, T, H, Dv], state).
 
@@ -620,6 +633,9 @@ def linear_attention(
     z. Finite and <= 0 (checked on CPU tensors; on an accelerator the check would wait for the
     device, so only its shape is checked there); any float dtype, applied in the state's dtype;
     gradients flow to it.
+    backend: ``"torch"`` (ours, the default) or ``"fla"``: the chunked form by flash-linear-attention's
+    kernels, on CUDA where ``fla`` is importable (``lintrans.ops.fla_backend``; a ValueError says why
+    not otherwise). Unverified on hardware by this project (docs/gpu.md).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     if log_decay is not None:
@@ -631,6 +647,11 @@ def linear_attention(
     if chunk_size != "auto":
         check_positive_int("chunk_size", chunk_size)
     _check_scalars(normalize, scale, eps)
+    if backend == "fla":
+        return _fla_attention(q, k, v, form, feature_map, normalize, scale, eps, initial_state, output_final_state,
+                              log_decay)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'torch' or 'fla', got {backend!r}")
     if form == "chunked":
         return _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, initial_state,
                                   output_final_state, log_decay)
