@@ -21,6 +21,7 @@ import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 # ops that copy a value to the host, or whose output shape is a value
@@ -67,6 +68,27 @@ class HostSyncs(TorchDispatchMode):
             if self.forbid:
                 raise HostSyncError(f"host sync {func} at\n  " + "\n  ".join(where or ["(outside lintrans)"]))
         return func(*args, **(kwargs or {}))
+
+    def report(self) -> str:
+        return "\n".join(f"{op}: {' <- '.join(reversed(where[-3:]))}" for op, where in self.calls)
+
+
+class CopiesToDevice(TorchDispatchMode):
+    """Records ops that take a CPU tensor (not a 0-dim scalar) and give a tensor on another device:
+    host-to-device copies, which for ordinary (pageable) memory make CUDA wait too. Run the work on
+    the meta device: then every such op is a tensor that was made on the CPU and moved over."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.dim() > 0 for t in ins) and any(t.device.type != "cpu" for t in outs):
+            self.calls.append((str(func), _where()))
+        return out
 
     def report(self) -> str:
         return "\n".join(f"{op}: {' <- '.join(reversed(where[-3:]))}" for op, where in self.calls)

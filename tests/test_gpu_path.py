@@ -4,7 +4,7 @@ with a CPU one raises, and reading a meta value raises). docs/gpu.md says what t
 import pytest
 import torch
 
-from host_sync import HostSyncError, HostSyncs
+from host_sync import CopiesToDevice, HostSyncError, HostSyncs
 from lintrans.models import GPT, GPTConfig
 from lintrans.nn.registry import available_attention
 from lintrans.ops import linear as linear_module
@@ -209,11 +209,15 @@ def test_a_training_step_reads_the_host_only_for_its_log_line(accelerator_path, 
 ])
 def test_gpt_runs_on_the_meta_device(attention, options):
     """Training forward and backward, then prefill and decoding, with the model and the tokens on
-    the meta device: a tensor made on the CPU in there (no ``device=``) raises when it meets them."""
+    the meta device: a tensor made on the CPU in there (no ``device=``) raises when it meets them,
+    and from the second training step on none is made on the CPU and copied over either."""
     model = _gpt(attention, "meta", **options)
     x = torch.randint(0, 64, (2, 24), device="meta")
-    _, loss = model(x, x, return_logits=False)
-    loss.backward()
+    model(x, x, return_logits=False)[1].backward()  # the first call may copy constants over once
+    with CopiesToDevice() as copies:  # after it, nothing made on the CPU and moved over, in training
+        _, loss = model(x, x, return_logits=False)
+        loss.backward()
+    assert not copies.calls, copies.report()
     assert loss.device.type == "meta" and model.lm_head.weight.grad.device.type == "meta"
     model.eval()
     with torch.no_grad():

@@ -110,7 +110,8 @@ def test_dispatch_without_state_or_normaliser(stand_in_fla):
     torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_FLA), reason="needs a CUDA device and flash-linear-attention")
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_FLA),
+                    reason="needs a CUDA device and flash-linear-attention")
 @pytest.mark.parametrize("feature_map", ["elu", "identity"])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("decay", [None, "gate", "fixed"])

@@ -152,8 +152,8 @@ def test_linear_cross_entropy_called_under_autocast():
 @pytest.mark.parametrize("attention", ["linear", "gated-linear", "retention"])
 def test_bf16_training_keeps_the_state_in_float32(tiny_config, monkeypatch, attention):
     """A few steps of ``lintrans train`` with ``train.precision=bf16``: the chunked op receives bf16
-    values (autocast is on; q and k too, turned to float32 features first for the identity map), starts from and returns float32 states, and the losses follow the
-    float32 run's."""
+    values (autocast is on; q and k too, turned to float32 features first for the identity map),
+    starts from and returns float32 states, and the losses follow the float32 run's."""
     from lintrans.train.loop import train
 
     seen = []
