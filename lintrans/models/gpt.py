@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lintrans.nn.registry import get_attention
 from lintrans.ops.cross_entropy import linear_cross_entropy
+from lintrans.ops.validation import reads_values
 
 from .config import GPTConfig
 from .reversible import reversible_blocks, reversible_step
@@ -173,7 +174,10 @@ class GPT(nn.Module):
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must have shape [B, T] with T >= 1, got {tuple(idx.shape)}")
         self._check_length(past + idx.shape[1])
-        if check_ids and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+        # the id range is read back only on the CPU: on an accelerator it would be a host sync per
+        # forward, and there an out-of-range id fails in the embedding, on the device
+        if (check_ids and reads_values(idx.device)
+                and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size)):
             raise ValueError(
                 f"token ids must be in [0, {self.config.vocab_size - 1}] (vocab_size {self.config.vocab_size}), "
                 f"got min {int(idx.min())} max {int(idx.max())}"
@@ -253,8 +257,9 @@ class GPT(nn.Module):
         if not return_logits:
             w = self.lm_head.weight
             hf = h.flatten(0, 1)
-            if torch.is_autocast_enabled(h.device.type):  # the head runs in the autocast dtype
-                dtype = torch.get_autocast_dtype(h.device.type)
+            kind = h.device.type
+            if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # the head in its dtype
+                dtype = torch.get_autocast_dtype(kind)
                 hf, w = hf.to(dtype), w.to(dtype)
             return None, linear_cross_entropy(hf, w, targets.flatten(), ignore_index=-1)
         logits = self.lm_head(h)  # [B,T,V]

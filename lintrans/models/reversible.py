@@ -44,6 +44,20 @@ def _replayed(state, device: torch.device):
         yield
 
 
+def _autocast_state(device_type: str):
+    """(enabled, dtype) of autocast for ``device_type``, or None where it has no autocast (meta)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast_as(device_type: str, state):
+    """Autocast as it was in the forward (``_autocast_state``), for the recomputation."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=state[1], enabled=state[0])
+
+
 def _halves(block: nn.Module) -> tuple[list, list]:
     """The parameters of F (ln_1, attention) and of G (ln_2, mlp) that need gradients."""
     f = [p for m in (block.ln_1, block.attn) for p in m.parameters() if p.requires_grad]
@@ -66,7 +80,7 @@ class _ReversibleBlock(torch.autograd.Function):
     def forward(ctx, x1, x2, block, chain, last, replay_rng, *params):
         dev = x1.device
         ctx.block, ctx.chain, ctx.last = block, chain, last
-        ctx.amp = (dev.type, torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+        ctx.amp = (dev.type, _autocast_state(dev.type))
         f_state = _rng_state(dev) if replay_rng else None
         y1 = x1 + block.attend(x2)[0]  # autograd is off in here: nothing is kept
         g_state = _rng_state(dev) if replay_rng else None
@@ -85,15 +99,14 @@ class _ReversibleBlock(torch.autograd.Function):
         dy2 = torch.zeros_like(y2) if dy2 is None else dy2
         block, (f_state, g_state) = ctx.block, ctx.rng
         f_params, g_params = _halves(block)
-        dev_type, amp_on, amp_dtype = ctx.amp
-        with torch.enable_grad(), torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_on):
+        with torch.enable_grad(), _autocast_as(*ctx.amp):
             y1_ = y1.detach().requires_grad_()
             with _replayed(g_state, y1.device):
                 g = block.feed(y1_)
             gy1, *g_grads = torch.autograd.grad(g, [y1_, *g_params], dy2, allow_unused=True)
         dy1 = dy1 + gy1  # y1 reaches the loss directly and through G
         x2 = y2 - g.detach()
-        with torch.enable_grad(), torch.autocast(dev_type, dtype=amp_dtype, enabled=amp_on):
+        with torch.enable_grad(), _autocast_as(*ctx.amp):
             x2_ = x2.detach().requires_grad_()
             with _replayed(f_state, y1.device):
                 f = block.attend(x2_)[0]

@@ -22,7 +22,9 @@ Never builds a [T, T, D] tensor. Paths:
   references (the running max of k) instead.
 - simple: two cumulative sums against the largest key, O(T*D), while no row can underflow; otherwise
   chunks with a per-chunk reference carried by a scan over chunks, and log-cumsum-exp scans over T
-  only when a key jumps far above the running max inside a chunk.
+  only when a key jumps far above the running max inside a chunk. Those choices read the keys on
+  the host, so on an accelerator (``validation.reads_values``) causal simple always takes the
+  log-cumsum-exp scans, which hold for any keys and need no host sync.
 - local/conv on long sequences: the biased band [B, H, T, W, D] plus unbiased prefix/suffix sums from
   the same scans, O(T*W*D), no [T, T] matrix.
 """
@@ -35,7 +37,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 from .scan import decayed_scan
-from .validation import check_positive_int, check_qkv, check_tensor, compute_dtype
+from .validation import check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
 
 VARIANTS = ("full", "simple", "local", "conv")
 # state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])
@@ -136,7 +138,9 @@ def _aft_causal(k, v, logw):
     With one global per-channel max M as reference, row t's largest term is at least
     exp(-(M - m_t) - range of w in row t), m_t = max_{j<=t} k_j. While that exponent stays above
     -UNDERFLOW_GAP (keys of ordinary size), one masked matmul is exact; otherwise (a huge key late
-    in the sequence) the chunked path with per-row references.
+    in the sequence) the chunked path with per-row references. Choosing reads one number back from
+    the device: on an accelerator, one host sync per call (the chunked path, always taken instead,
+    would keep [B, H, CHUNK, CHUNK, D] weights per chunk for backward).
     """
     causal = torch.ones(logw.shape[-1], logw.shape[-1], dtype=torch.bool, device=k.device).tril()
     lw = logw.detach().masked_fill(~causal, float("-inf"))
@@ -256,8 +260,7 @@ def _aft_simple_causal(k, v):
     m = m.view(B, H, n, c, D)
     ref = m[:, :, :, -1:]  # [B,H,n,1,D]
     if float((ref - m[:, :, :, :1]).max()) >= UNDERFLOW_GAP[k.dtype]:
-        la, lb, l1 = _log_sums(k, v)
-        return torch.exp(la - l1) - torch.exp(lb - l1)
+        return _aft_simple_causal_log(k, v)
     if pad:  # padded keys weigh exp(-inf) = 0
         k = F.pad(k, (0, 0, 0, pad), value=float("-inf"))
         v = F.pad(v, (0, 0, 0, pad))
@@ -271,6 +274,13 @@ def _aft_simple_causal(k, v):
     carry = g[..., None, :] * torch.cat([torch.zeros_like(Z[:, :, :1]), Z[:, :, :-1]], dim=2)  # before chunk m
     mean = (num + carry[:, :, :, None, 0]) / (den + carry[:, :, :, None, 1])
     return mean.view(B, H, n * c, D)[:, :, :T]
+
+
+def _aft_simple_causal_log(k, v):
+    """The same as ``_aft_simple_causal`` from the three log-space scans (``_log_sums``): exact for
+    any keys, with no choice of path made from their values. k, v: [B,H,T,D]."""
+    la, lb, l1 = _log_sums(k, v)
+    return torch.exp(la - l1) - torch.exp(lb - l1)
 
 
 def _reverse_cumsum(x):
@@ -369,10 +379,12 @@ def aft(
     dtype = compute_dtype(q.dtype)
     if variant == "simple" and causal:
         k32, v32 = k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T with H*D contiguous
-        if _simple_gap_ok(k32):  # keys of ordinary size: two cumsums
+        if not reads_values(k.device):  # an accelerator: no path chosen from values (a host sync)
+            mean = _aft_simple_causal_log(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
+        elif _simple_gap_ok(k32):  # keys of ordinary size: two cumsums
             return _SimpleCausal.apply(q.to(dtype), k32, v32).to(q.dtype)
-        # a huge key late in the sequence: chunks with their own references
-        mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
+        else:  # a huge key late in the sequence: chunks with their own references
+            mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
         return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
     kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
     if variant == "simple":  # not causal: one softmax over all keys

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .feature_maps import resolve_feature_map
 from .linear import _check_log_decay, _check_state, _cumulative, _log_decay_head_first, linear_attention
-from .validation import check_qkv, compute_dtype
+from .validation import autocast_off, check_qkv, compute_dtype
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -75,33 +75,35 @@ def _group_rank(group) -> tuple[object, int, int]:
 def _local_state(k, v, phi_k, ld, dtype) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(S [B,H,F,Dv], z [B,H,F], total log-decay [B|1,H] or None) of this rank's tokens from a zero state."""
     fk = phi_k(k).to(dtype)  # [B,T,H,F]
-    if ld is not None:
-        L = _cumulative(ld)  # [B|1,H,T] float64
-        keep = (L[..., -1:] - L).exp().to(dtype)  # decay from each key to the slice's end, <= 1
-        fk = fk * keep.transpose(1, 2)[..., None]
-    S = torch.einsum("bthf,bthe->bhfe", fk, v.to(dtype))
-    return S, fk.sum(1), None if ld is None else L[..., -1].to(dtype)
+    with autocast_off(k.device):  # summed in the state dtype under mixed precision too
+        if ld is not None:
+            L = _cumulative(ld)  # [B|1,H,T] float64
+            keep = (L[..., -1:] - L).exp().to(dtype)  # decay from each key to the slice's end, <= 1
+            fk = fk * keep.transpose(1, 2)[..., None]
+        S = torch.einsum("bthf,bthe->bhfe", fk, v.to(dtype))
+        return S, fk.sum(1), None if ld is None else L[..., -1].to(dtype)
 
 
 def _combine(S0, S_all, A_all, upto: int) -> torch.Tensor:
     """The state before rank ``upto``'s first token from S0 [B,H,F,E] and the ranks' local states
     S_all [R,B,H,F,E] (log-decays A_all [R,B|1,H] or None). Every rank's state takes part (with a
     zero weight from ``upto`` on), so the backward's reduce-scatter is reached on every rank."""
-    R = S_all.shape[0]
-    s = torch.arange(R, device=S_all.device)
-    before = s < upto
-    if A_all is None:
-        w = before.to(S_all.dtype)[:, None, None]  # [R,1,1]
-        w0 = torch.ones((), dtype=S_all.dtype, device=S_all.device)
-    else:
-        A = A_all.double()
-        # exponent of state s: A_{s+1} + .. + A_{upto-1}, a masked sum (no differences of cumulative sums)
-        between = (s[None, :] > s[:, None]) & (s[None, :] < upto)  # [s, t]
-        e = torch.einsum("st,tbh->sbh", between.double(), A)
-        w = e.masked_fill(~before[:, None, None], float("-inf")).exp().to(S_all.dtype)  # [R,B|1,H]
-        w0 = A[:upto].sum(0).exp().to(S_all.dtype)[..., None, None]  # [B|1,H,1,1]
-    X = (w[..., None, None] * S_all).sum(0)
-    return X if S0 is None else X + w0 * S0
+    with autocast_off(S_all.device):  # in the state dtype under mixed precision too
+        R = S_all.shape[0]
+        s = torch.arange(R, device=S_all.device)
+        before = s < upto
+        if A_all is None:
+            w = before.to(S_all.dtype)[:, None, None]  # [R,1,1]
+            w0 = torch.ones((), dtype=S_all.dtype, device=S_all.device)
+        else:
+            A = A_all.double()
+            # exponent of state s: A_{s+1} + .. + A_{upto-1}, a masked sum (no differences of cumulative sums)
+            between = (s[None, :] > s[:, None]) & (s[None, :] < upto)  # [s, t]
+            e = torch.einsum("st,tbh->sbh", between.double(), A)
+            w = e.masked_fill(~before[:, None, None], float("-inf")).exp().to(S_all.dtype)  # [R,B|1,H]
+            w0 = A[:upto].sum(0).exp().to(S_all.dtype)[..., None, None]  # [B|1,H,1,1]
+        X = (w[..., None, None] * S_all).sum(0)
+        return X if S0 is None else X + w0 * S0
 
 
 def context_parallel_linear_attention(

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .validation import check_number, check_positive_int, check_qkv, compute_dtype
+from .validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
 from .scan import decayed_scan
 from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 
@@ -354,11 +354,8 @@ def _without_autocast(fn):
 
     @functools.wraps(fn)
     def wrapper(ctx, x, *args):
-        kind = x.device.type
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-            with torch.autocast(kind, enabled=False):
-                return fn(ctx, x, *args)
-        return fn(ctx, x, *args)
+        with autocast_off(x.device):
+            return fn(ctx, x, *args)
 
     return wrapper
 
@@ -526,7 +523,8 @@ def _check_scalars(normalize, scale, eps):
 
 
 def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> None:
-    """Shapes always; values (finite, <= 0) only on the CPU, where checking them costs no device sync."""
+    """Shapes always; values (finite, <= 0) only on the CPU, where checking them costs no device sync
+    (``reads_values``)."""
     layout = "[B, T, H] or [H]" if T is not None else "[B, H] or [H]"
     if not isinstance(log_decay, torch.Tensor):
         raise TypeError(f"log_decay must be None or a torch.Tensor {layout}, got {type(log_decay).__name__}")
@@ -537,7 +535,7 @@ def _check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> Non
         raise ValueError(f"log_decay must have shape {list(full)} or [{H}] ({layout}), got {list(log_decay.shape)}")
     if log_decay.device != device:
         raise ValueError(f"log_decay must be on {device} like q, got {log_decay.device}")
-    if log_decay.device.type == "cpu":
+    if reads_values(log_decay.device):
         lo, hi = torch.aminmax(log_decay)  # one pass; a NaN makes both NaN
         if not (hi <= 0 and lo > float("-inf")):
             bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0
@@ -592,6 +590,18 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
     return o, ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
 
 
+def _fla_attention(q, k, v, form, feature_map, normalize, scale, eps, initial_state, output_final_state, log_decay):
+    """backend="fla": our feature map and state layout around flash-linear-attention's chunked kernel."""
+    from .fla_backend import check_fla_case, fla_linear_attention
+
+    check_fla_case(q, form)
+    B, _, H, _, Dv = check_qkv(q, k, v)
+    fq, fk = _featurize(q, k, feature_map, 1.0)  # [B,T,H,F] in the state dtype
+    S0 = None if initial_state is None else _state0(initial_state, B, H, fq.shape[-1], Dv, fq.dtype, q.device)
+    return fla_linear_attention(q, k, v, fq, fk, S0, log_decay, normalize=normalize, scale=scale, eps=eps,
+                                output_final_state=output_final_state)
+
+
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -606,6 +616,7 @@ def linear_attention(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     log_decay: Optional[torch.Tensor] = None,
+    backend: str = "torch",
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Causal linear attention. q, k: [B, T, H, Dk], v: [B, T, H, Dv] -> (o [B, T, H, Dv], state).
 
@@ -622,6 +633,9 @@ def linear_attention(
     z. Finite and <= 0 (checked on CPU tensors; on an accelerator the check would wait for the
     device, so only its shape is checked there); any float dtype, applied in the state's dtype;
     gradients flow to it.
+    backend: ``"torch"`` (ours, the default) or ``"fla"``: the chunked form by flash-linear-attention's
+    kernels, on CUDA where ``fla`` is importable (``lintrans.ops.fla_backend``; a ValueError says why
+    not otherwise). Unverified on hardware by this project (docs/gpu.md).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     if log_decay is not None:
@@ -633,6 +647,11 @@ def linear_attention(
     if chunk_size != "auto":
         check_positive_int("chunk_size", chunk_size)
     _check_scalars(normalize, scale, eps)
+    if backend == "fla":
+        return _fla_attention(q, k, v, form, feature_map, normalize, scale, eps, initial_state, output_final_state,
+                              log_decay)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'torch' or 'fla', got {backend!r}")
     if form == "chunked":
         return _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, initial_state,
                                   output_final_state, log_decay)
@@ -653,7 +672,8 @@ def linear_attention(
     # matmuls would otherwise copy these strided views for every product, forward and backward
     fq, fk = fq.contiguous(), fk.contiguous()  # [B,H,T,F]
     ld = None if log_decay is None else _log_decay_head_first(log_decay, B, T, H, dtype)  # [B|1,H,T]
-    y, S_end = FORMS[form](fq, fk, v1, S0, chunk_size, ld)  # y: [B,H,T,Dv+1]
+    with autocast_off(q.device):  # the forms accumulate in the state dtype under mixed precision too
+        y, S_end = FORMS[form](fq, fk, v1, S0, chunk_size, ld)  # y: [B,H,T,Dv+1]
     y = y.transpose(1, 2)  # [B,T,H,Dv+1]
     o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]
     state = (S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None
@@ -689,14 +709,15 @@ def linear_attention_step(
         z = torch.zeros(B, H, Fd, dtype=dtype, device=q.device)
     else:
         S, z = _check_state(state, B, H, Fd, Dv, dtype, q.device, arg="state")
-    if log_decay is not None:
-        g = log_decay.to(dtype).exp().expand(B, H)  # [B,H]
-        S, z = S * g[..., None, None], z * g[..., None]
-    S = torch.addcmul(S, fk[..., :, None], v.to(dtype)[..., None, :])  # S + phi(k) v^T, one op
-    z = z + fk
-    num = (fq[..., None, :] @ S).squeeze(-2)  # [B,H,Dv]; a batched matmul costs less per token than einsum
-    if normalize:
-        num = num / ((fq * z).sum(-1, keepdim=True) + eps)
+    with autocast_off(q.device):  # the state and its readout in the state dtype under mixed precision too
+        if log_decay is not None:
+            g = log_decay.to(dtype).exp().expand(B, H)  # [B,H]
+            S, z = S * g[..., None, None], z * g[..., None]
+        S = torch.addcmul(S, fk[..., :, None], v.to(dtype)[..., None, :])  # S + phi(k) v^T, one op
+        z = z + fk
+        num = (fq[..., None, :] @ S).squeeze(-2)  # [B,H,Dv]; a batched matmul costs less per token than einsum
+        if normalize:
+            num = num / ((fq * z).sum(-1, keepdim=True) + eps)
     return num.to(q.dtype), (S, z)
 
 

@@ -77,6 +77,13 @@ def lsh_rotations(H: int, D: int, n_buckets: int, n_hashes: int, seed: int) -> t
     return torch.randn(n_hashes, H, D, n_buckets // 2, generator=g, dtype=torch.float64).transpose(0, 1)
 
 
+@functools.lru_cache(maxsize=64)
+def _rotations_on(device: torch.device, *key) -> torch.Tensor:
+    """``lsh_rotations(*key)`` on ``device``, copied there once: a copy per call would be a
+    host-to-device transfer (and on CUDA a wait for the device) in every forward."""
+    return lsh_rotations(*key).to(device)
+
+
 def lsh_buckets(qk: torch.Tensor, *, n_buckets: int, n_hashes: int = 2, seed: int = 0) -> torch.Tensor:
     """qk [B, T, H, D] -> bucket of every token in every round, [B, H, n_hashes, T] (int64).
 
@@ -87,7 +94,7 @@ def lsh_buckets(qk: torch.Tensor, *, n_buckets: int, n_hashes: int = 2, seed: in
     B, T, H, D = qk.shape
     if n_buckets == 1:
         return torch.zeros(B, H, n_hashes, T, dtype=torch.long, device=qk.device)
-    rot = lsh_rotations(H, D, n_buckets, n_hashes, seed).to(qk.device)
+    rot = _rotations_on(qk.device, H, D, n_buckets, n_hashes, seed)
     proj = torch.einsum("bthd,hrdk->bhrtk", qk.detach().to(torch.float64), rot)  # [B,H,R,T,nb/2]
     return torch.cat([proj, -proj], dim=-1).argmax(dim=-1)
 

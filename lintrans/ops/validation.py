@@ -1,11 +1,42 @@
 """Argument checks shared by every op: clear errors instead of silent broadcasts."""
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from lintrans.checks import check_number, check_positive_int  # noqa: F401 (the ops import them from here)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Device types whose tensors the host reads for free. Checks of values (``.item()``, ``bool(t)``)
+# and choices of path made from values run only there: on an accelerator each read waits for every
+# queued kernel (a host sync), so there only shapes, dtypes and devices are checked.
+HOST_READ_DEVICES = frozenset({"cpu"})
+
+
+def reads_values(device: torch.device) -> bool:
+    """Whether value checks run for tensors on ``device`` (see ``HOST_READ_DEVICES``)."""
+    return device.type in HOST_READ_DEVICES
+
+
+_NOTHING = contextlib.nullcontext()  # reusable: a decoding step asks once per layer and token
+
+
+@functools.lru_cache(maxsize=None)
+def _has_autocast(kind: str) -> bool:
+    return torch.amp.is_autocast_available(kind)
+
+
+def autocast_off(device: torch.device):
+    """A context with autocast off for ``device``'s type (a no-op where it is off or has none): ops
+    that choose their own dtypes (states and normalisers in float32) run in them under a
+    mixed-precision training step too, instead of autocast turning their matmuls to 16 bits."""
+    kind = device.type
+    if _has_autocast(kind) and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return _NOTHING
 
 
 def check_tensor(name: str, x, ndim: int, layout: str) -> None:

@@ -1,0 +1,70 @@
+"""``linear_attention(..., backend="fla")``: the chunked form by flash-linear-attention's Triton kernels.
+
+flash-linear-attention (``pip install flash-linear-attention``, imported as ``fla``) computes gated
+linear attention without a normaliser, ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale q_t S_t``
+(``fla.ops.simple_gla.chunk_simple_gla``; ``g`` = None: no decay). Everything else of ours maps
+onto that one call:
+
+- the feature map is applied here, in torch (fla takes q and k as its features);
+- the normaliser and the state's z come from a column of ones appended to v, as in our own forms:
+  its output column is sum_j s_ij (decays and the initial z included), its state column is z;
+- a fixed decay [H] is the per-token one repeated, ``g = log_decay`` [B, T, H].
+
+Inputs are turned into the state dtype (float32) first, so the state is float32 as with the torch
+backend. ``chunk_size`` is not used (fla picks its own chunk). Not verified on hardware by this
+project: no GPU was available when it was written (docs/gpu.md); the equality test against the
+torch backend runs only where CUDA and fla are.
+"""
+from __future__ import annotations
+
+import torch
+
+from .validation import autocast_off
+
+DEVICES = frozenset({"cuda"})  # device types fla's kernels run on
+
+
+def fla_chunk_function():
+    """fla's ``chunk_simple_gla``, or a ValueError saying why it cannot be used here."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as e:  # ImportError, or fla failing to import without triton/CUDA
+        raise ValueError(
+            "backend='fla' needs flash-linear-attention (pip install flash-linear-attention), which cannot be "
+            f"imported here ({type(e).__name__}: {e}); use backend='torch'"
+        ) from None
+    return chunk_simple_gla
+
+
+def check_fla_case(q: torch.Tensor, form: str) -> None:
+    """ValueError for what fla does not cover: another form, a device other than CUDA, float64."""
+    if form != "chunked":
+        raise ValueError(f"backend='fla' computes the chunked form only; form must be 'chunked', got {form!r}")
+    if q.device.type not in DEVICES:
+        raise ValueError(f"backend='fla' runs on CUDA tensors only, got q on {q.device}; use backend='torch'")
+    if q.dtype == torch.float64:
+        raise ValueError("backend='fla' does not take float64 (its kernels compute in float32 at most); "
+                         "use backend='torch'")
+
+
+def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, scale: float, eps: float,
+                         output_final_state: bool):
+    """fq, fk [B, T, H, F] features in the state dtype, S0 None or [B, H, F, Dv + 1] (z as the last
+    column), log_decay None, [B, T, H] or [H] -> (o [B, T, H, Dv] in q's dtype, (S, z) or None)."""
+    chunk_simple_gla = fla_chunk_function()
+    B, T, H, _ = fq.shape
+    Dv = v.shape[-1]
+    ones = normalize or output_final_state or S0 is not None
+    vs = v.to(fq.dtype)
+    if ones:  # the normaliser column: output sum_j s_ij, state z
+        vs = torch.cat([vs, torch.ones(B, T, H, 1, dtype=fq.dtype, device=fq.device)], dim=-1)
+    g = None
+    if log_decay is not None:
+        g = log_decay.to(fq.dtype)
+        g = g.expand(B, T, H).contiguous() if g.dim() == 1 else g
+    with autocast_off(fq.device):
+        y, S_end = chunk_simple_gla(fq.contiguous(), fk.contiguous(), vs.contiguous(), g, scale=scale,
+                                    initial_state=S0, output_final_state=output_final_state)
+        o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]
+    state = (S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None
+    return o.to(q.dtype), state

@@ -1,0 +1,137 @@
+"""``linear_attention(..., backend="fla")``: the clear errors where it cannot run (checked here, on the
+CPU), our side of the dispatch against the float64 reference with a stand-in for fla's kernel that
+follows its documented contract, and the real kernels against ours where CUDA and fla exist."""
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+from lintrans.nn.feature_maps import ReBased
+from lintrans.ops import fla_backend, linear_attention, linear_attention_reference
+
+from qkv import random_qkv
+
+HAS_FLA = importlib.util.find_spec("fla") is not None
+
+
+def test_unknown_backend():
+    q, k, v = random_qkv(1, 4, 1, 2, 2)
+    with pytest.raises(ValueError, match="backend must be 'torch' or 'fla', got 'triton'"):
+        linear_attention(q, k, v, backend="triton")
+
+
+def test_fla_needs_cuda_tensors():
+    q, k, v = random_qkv(1, 4, 1, 2, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"backend='fla' runs on CUDA tensors only, got q on cpu"):
+        linear_attention(q, k, v, backend="fla")
+
+
+def test_fla_computes_the_chunked_form_only():
+    q, k, v = random_qkv(1, 4, 1, 2, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="chunked form only; form must be 'chunked', got 'attention'"):
+        linear_attention(q, k, v, backend="fla", form="attention")
+
+
+def test_fla_refuses_float64_and_missing_fla(monkeypatch):
+    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))  # past the device check, on this CPU
+    q, k, v = random_qkv(1, 4, 1, 2, 2)
+    with pytest.raises(ValueError, match="does not take float64"):
+        linear_attention(q, k, v, backend="fla")
+    monkeypatch.setitem(sys.modules, "fla", None)  # as if it were not installed: importing it raises
+    q, k, v = (t.float() for t in (q, k, v))
+    with pytest.raises(ValueError, match=r"needs flash-linear-attention \(pip install flash-linear-attention\)"):
+        linear_attention(q, k, v, backend="fla")
+
+
+def _documented_chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
+    """fla's documented contract, step by step: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t;
+    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, states [B, H, K, V]."""
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
+    outs = []
+    for t in range(T):
+        if g is not None:
+            S = S * g[:, t].exp()[..., None, None]
+        S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, dim=1), (S if output_final_state else None)
+
+
+@pytest.fixture
+def stand_in_fla(monkeypatch):
+    """fla replaced by the documented recurrence, and the CPU let through: what runs is our side."""
+    simple_gla = types.ModuleType("fla.ops.simple_gla")
+    simple_gla.chunk_simple_gla = _documented_chunk_simple_gla
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.simple_gla", simple_gla)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "identity", "based", "rebased"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("decay", [None, "gate", "fixed"])
+@pytest.mark.parametrize("T", [1, 11])
+def test_dispatch_matches_the_reference(stand_in_fla, feature_map, normalize, decay, T):
+    """Feature map, normaliser column, scale, decay, initial state and final (S, z) around the kernel,
+    with Dk != Dv: outputs and states equal the float64 definition, gradients those of our backend."""
+    B, H, Dk, Dv = 2, 2, 3, 4
+    q, k, v = (t.float() for t in random_qkv(B, T, H, Dk, Dv))
+    fm = ReBased(Dk) if feature_map == "rebased" else feature_map
+    F = fm(torch.zeros(1, Dk)).shape[-1] if callable(fm) else {"based": 10}.get(feature_map, Dk)
+    g = torch.Generator().manual_seed(3)
+    ld = {None: None, "gate": -torch.rand(B, T, H, generator=g), "fixed": -torch.rand(H, generator=g)}[decay]
+    S0 = (torch.randn(B, H, F, Dv, generator=g), torch.rand(B, H, F, generator=g) + 0.5)
+    kw = dict(feature_map=fm, normalize=normalize, scale=0.7, log_decay=ld, initial_state=S0)
+    grads = {}
+    for backend in ("fla", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, (S, z) = linear_attention(*leaves, backend=backend, output_final_state=True, **kw)
+        (o.square().sum() + S.sum() + z.sum()).backward()
+        grads[backend] = [t.grad for t in leaves]
+        if backend == "fla":
+            assert o.dtype == torch.float32 and S.dtype == z.dtype == torch.float32
+            o_ref, (S_ref, z_ref) = linear_attention_reference(q, k, v, **kw)
+            torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(S.double(), S_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(z.double(), z_ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads["fla"], grads["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_without_state_or_normaliser(stand_in_fla):
+    """Neither the normaliser nor z asked for: v goes in as it is, and no state comes back."""
+    q, k, v = (t.float() for t in random_qkv(1, 6, 2, 3, 5))
+    o, state = linear_attention(q, k, v, backend="fla", normalize=False, feature_map="relu")
+    assert state is None
+    ref, _ = linear_attention_reference(q, k, v, normalize=False, feature_map="relu")
+    torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_FLA),
+                    reason="needs a CUDA device and flash-linear-attention")
+@pytest.mark.parametrize("feature_map", ["elu", "identity"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("decay", [None, "gate", "fixed"])
+@pytest.mark.parametrize("T", [1, 100, 256])
+def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
+    """The real kernels against the torch backend, outputs, final states and gradients. Tolerances
+    allow TF32 (Triton's float32 dot products round inputs to 10-bit mantissas)."""
+    B, H, Dk, Dv = 2, 3, 32, 48
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, d, generator=g).cuda() for d in (Dk, Dk, Dv))
+    ld = {None: None, "gate": -torch.rand(B, T, H, generator=g) * 0.1, "fixed": -torch.rand(H, generator=g) * 0.1}
+    ld = None if ld[decay] is None else ld[decay].cuda()
+    S0 = (torch.randn(B, H, Dk, Dv, generator=g).cuda() * 0.1, torch.rand(B, H, Dk, generator=g).cuda() + 0.5)
+    kw = dict(feature_map=feature_map, normalize=normalize, scale=Dk**-0.5, log_decay=ld, initial_state=S0,
+              output_final_state=True)
+    results = {}
+    for backend in ("fla", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, (S, z) = linear_attention(*leaves, backend=backend, **kw)
+        (o.square().sum() + S.sum() + z.sum()).backward()
+        results[backend] = [o, S, z, *(t.grad for t in leaves)]
+    for name, a, b in zip(("o", "S", "z", "dq", "dk", "dv"), results["fla"], results["torch"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
