@@ -92,7 +92,8 @@ def describe(typ, meta: Optional[dict] = None) -> str:
     elif origin is Literal:
         text = f"one of {list(typing.get_args(typ))}"
     elif origin is Union:
-        text = " or ".join(describe(a) for a in typing.get_args(typ))
+        bounds = {k: meta[k] for k in ("low", "high") if k in meta}
+        text = " or ".join(describe(a, bounds) for a in typing.get_args(typ))
     elif origin is list:
         (item,) = typing.get_args(typ) or (Any,)
         text = "a list of " + (describe(item).split(" ", 1)[1] if item is not Any else "values")
@@ -198,7 +199,7 @@ def convert(name: str, value, typ, meta: Optional[dict] = None, *, from_text: bo
             value = float(value)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
-        check_number(name, value, integer=base is int, low=meta.get("low"), high=meta.get("high"))
+        check_number(name, value, integer=base is int, low=meta.get("low"), high=meta.get("high"), allow_none=optional)
         return value
     if base is Any:
         return value
@@ -340,7 +341,7 @@ def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip
         kw: dict = {"dest": dest + key, "default": None}
         if base is bool:
             kw.update(nargs="?", const="true", metavar="BOOL")
-        elif typing.get_origin(base) is list and typing.get_args(base) and typing.get_args(base)[0] in (int, float, str):
+        elif typing.get_origin(base) is list and typing.get_args(base)[0] in (int, float, str):
             kw.update(nargs="+", metavar=typing.get_args(base)[0].__name__.upper())
         else:
             kw["metavar"] = "VALUE" if typing.get_origin(base) else getattr(base, "__name__", "VALUE").upper()

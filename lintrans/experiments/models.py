@@ -48,10 +48,12 @@ def parse_attention(spec: str) -> tuple[str, dict]:
 def gpt_config(spec: str, *, linear_form: str = "chunked", **fields) -> GPTConfig:
     """The GPTConfig of an attention spec; mechanisms with a linear-attention ``form`` get
     ``linear_form`` unless the spec sets one. Building the model once checks the options (a bad spec fails before any training)."""
+    import dataclasses
+
     from lintrans.nn.registry import get_attention
 
     name, options = parse_attention(spec)
-    if "form" in getattr(get_attention(name), "DEFAULTS", {}):  # linear attention and its gated kin
+    if "form" in {f.name for f in dataclasses.fields(get_attention(name).Options)}:  # linear and its gated kin
         options.setdefault("form", linear_form)
     config = GPTConfig(dropout=0.0, attention=name, attention_options=options, **fields)
     return config
