@@ -53,7 +53,8 @@ def _schema(f: dataclasses.Field):
 
 
 def keys(cls, prefix: str = "") -> dict[str, tuple[Any, dict]]:
-    """Every settable key of ``cls`` ("name" or "section.name") -> (type, field metadata)."""
+    """Every settable key of ``cls`` ("name" or "section.name") -> (type, field metadata with its
+    ``default`` added)."""
     out = {}
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
@@ -63,7 +64,8 @@ def keys(cls, prefix: str = "") -> dict[str, tuple[Any, dict]]:
         elif _schema(f) is not None:
             out.update(keys(_schema(f), f"{prefix}{f.name}."))
         else:
-            out[prefix + f.name] = (typ, dict(f.metadata))
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out[prefix + f.name] = (typ, {**f.metadata, "default": default})
     return out
 
 
@@ -337,7 +339,6 @@ def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip
         if key in skip:
             continue
         _, base = _optional(typ)
-        names = [flag_name(key)] + ([f"--{key}"] if flag_name(key) != f"--{key}" else [])
         kw: dict = {"dest": dest + key, "default": None}
         if base is bool:
             kw.update(nargs="?", const="true", metavar="BOOL")
@@ -345,9 +346,12 @@ def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip
             kw.update(nargs="+", metavar=typing.get_args(base)[0].__name__.upper())
         else:
             kw["metavar"] = "VALUE" if typing.get_origin(base) else getattr(base, "__name__", "VALUE").upper()
-        help_ = meta.get("help", "")
-        kw["help"] = argparse.SUPPRESS if hidden else f"{help_}{' ' if help_ else ''}({describe(typ, meta)})"
-        parser.add_argument(*names, **kw)
+        default = "none" if meta["default"] is None else json.dumps(meta["default"], default=str)
+        about = f"{meta.get('help', '')} [{describe(typ, meta)}; default {default}]".lstrip()
+        kw["help"] = argparse.SUPPRESS if hidden else about
+        parser.add_argument(flag_name(key), **kw)
+        if flag_name(key) != f"--{key}":  # the key's own spelling works too (--plot_only), unlisted
+            parser.add_argument(f"--{key}", **{**kw, "help": argparse.SUPPRESS})
         if base is bool and "." not in key:
             parser.add_argument(f"--no-{key.replace('_', '-')}", dest=dest + key, action="store_const",
                                 const="false", help=argparse.SUPPRESS)

@@ -80,7 +80,7 @@ def state_floats(model: GPT, seq_len: int) -> float:
     softmax, the recurrent state of linear and gated attention, the ring buffer of a sliding window;
     measured from the model's own generation cache, averaged over layers."""
     model.eval()
-    idx = torch.zeros(1, seq_len, dtype=torch.int64)
+    idx = torch.zeros(1, seq_len, dtype=torch.int64, device=next(model.parameters()).device)
     with torch.no_grad():
         _, cache = model.forward_cached(idx)
     return cache.nbytes() / 4 / model.config.n_layer  # float32
