@@ -48,8 +48,14 @@ def _hints(cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _schema(f: dataclasses.Field):
-    return f.metadata.get("schema")
+def _section(cls, name: str):
+    """The dataclass of section ``name`` of ``cls`` (a dataclass field, or a dict field with a
+    ``schema``), or None when ``name`` is not a section."""
+    f = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+    if f is None:
+        return None
+    typ = _hints(cls)[name]
+    return typ if dataclasses.is_dataclass(typ) else f.metadata.get("schema")
 
 
 def keys(cls, prefix: str = "") -> dict[str, tuple[Any, dict]]:
@@ -58,21 +64,17 @@ def keys(cls, prefix: str = "") -> dict[str, tuple[Any, dict]]:
     out = {}
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
-        typ = hints[f.name]
-        if dataclasses.is_dataclass(typ):
-            out.update(keys(typ, f"{prefix}{f.name}."))
-        elif _schema(f) is not None:
-            out.update(keys(_schema(f), f"{prefix}{f.name}."))
+        if _section(cls, f.name) is not None:
+            out.update(keys(_section(cls, f.name), f"{prefix}{f.name}."))
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            out[prefix + f.name] = (typ, {**f.metadata, "default": default})
+            out[prefix + f.name] = (hints[f.name], {**f.metadata, "default": default})
     return out
 
 
 def sections(cls) -> list[str]:
     """Names of the fields of ``cls`` that are sections (dataclasses or dicts with a schema)."""
-    hints = _hints(cls)
-    return [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name]) or _schema(f)]
+    return [f.name for f in dataclasses.fields(cls) if _section(cls, f.name) is not None]
 
 
 def _optional(typ) -> tuple[bool, Any]:
@@ -216,14 +218,11 @@ def convert(name: str, value, typ, meta: Optional[dict] = None, *, from_text: bo
 def _unknown(obj, key: str, label: Label) -> ValueError:
     cls = type(obj)
     parts = key.split(".")
-    node, names, path = cls, None, []
+    node, path = cls, []
     for p in parts[:-1]:  # the deepest section that exists
-        fields = {f.name: f for f in dataclasses.fields(node)}
-        f = fields.get(p)
-        sub = _hints(node)[p] if f is not None else None
-        if f is None or not (dataclasses.is_dataclass(sub) or _schema(f)):
+        if _section(node, p) is None:
             break
-        node, path = (sub if dataclasses.is_dataclass(sub) else _schema(f)), path + [p]
+        node, path = _section(node, p), path + [p]
     names = [f.name for f in dataclasses.fields(node)]
     if not path and parts[0] not in names and sections(cls) == names:
         return ValueError(f"unknown {label(key)}: sections are {names}")
@@ -291,13 +290,11 @@ def flatten(cls, data, prefix: str = "") -> dict:
     if not isinstance(data, dict):
         where = f" section [{prefix[:-1]}]" if prefix else ""
         raise TypeError(f"config{where} must be a table/mapping, got {data!r}")
-    hints, fields = _hints(cls), {f.name: f for f in dataclasses.fields(cls)}
     out = {}
     for name, value in data.items():
-        f = fields.get(name)
-        sub = hints[name] if f is not None else None
-        if f is not None and (dataclasses.is_dataclass(sub) or _schema(f)):
-            out.update(flatten(sub if dataclasses.is_dataclass(sub) else _schema(f), value, f"{prefix}{name}."))
+        section = _section(cls, name) if isinstance(name, str) else None
+        if section is not None:
+            out.update(flatten(section, value, f"{prefix}{name}."))
         else:
             out[prefix + str(name)] = value
     return out
