@@ -57,22 +57,34 @@ def profiles() -> dict[str, Profile]:
     }
 
 
+@dataclass
+class BenchOptions:
+    """The command line of ``lintrans bench``: a profile and what to change in it."""
+
+    profile: str = field(default="quick", metadata={"choices": ("quick", "full")})
+    out: Optional[str] = field(default=None, metadata={"help": "write JSON/CSV/MD/PNG into this folder"})
+    max_T: Optional[int] = field(default=None, metadata={"help": "longest context to try (overrides the profile)"})
+    time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops"})
+    memory_cap_gb: Optional[float] = field(default=None, metadata={
+        "help": "predicted peak past which a curve stops (default: half the available memory)"})
+    threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
+    ops: Optional[list[str]] = field(default=None, metadata={
+        "help": "op series to include (substrings, e.g. chunked softmax)"})
+    sizes: Optional[list[str]] = field(default=None, metadata={
+        "help": "model sizes for train/generate (default: the profile's)"})
+    forms: Optional[list[str]] = field(default=None, metadata={
+        "help": "linear forms for train (default: the profile's)"})
+    mechanisms: Optional[list[str]] = field(default=None, metadata={
+        "help": "other attention mechanisms to train beside softmax and linear, e.g. gated-linear retention"})
+    repeats: Optional[int] = field(default=None, metadata={"help": "timed repeats per point (the fastest is kept)"})
+    device: str = "cpu"
+
+
 def configure(p: argparse.ArgumentParser) -> None:
+    from lintrans.config import add_arguments
+
     p.add_argument("which", nargs="?", default="all", choices=BENCHMARKS + ("all",))
-    p.add_argument("--profile", default="quick", choices=["quick", "full"])
-    p.add_argument("--out", type=Path, default=None, help="write JSON/CSV/MD/PNG into this folder")
-    p.add_argument("--max-T", type=int, default=None, help="longest context to try (overrides the profile)")
-    p.add_argument("--time-cap", type=float, default=None, help="seconds per step past which a curve stops")
-    p.add_argument("--memory-cap-gb", type=float, default=None,
-                   help="predicted peak past which a curve stops (default: half the available memory)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--ops", nargs="+", default=None, help="op series to include (substrings, e.g. chunked softmax)")
-    p.add_argument("--sizes", nargs="+", default=None, help="model sizes for train/generate (default: the profile's)")
-    p.add_argument("--forms", nargs="+", default=None, help="linear forms for train (default: the profile's)")
-    p.add_argument("--mechanisms", nargs="+", default=None, metavar="ATTENTION",
-                   help="other attention mechanisms to train beside softmax and linear, e.g. gated-linear retention")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (the fastest is kept)")
-    p.add_argument("--device", default="cpu")
+    add_arguments(p, BenchOptions, dest="opt:")
 
 
 def _available_bytes() -> Optional[int]:
@@ -193,12 +205,13 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     return result
 
 
-def build_profile(args) -> Profile:
+def build_profile(args: BenchOptions) -> Profile:
+    """The profile ``args.profile`` with the changes the command line asks for, checked."""
     prof = profiles()[args.profile]
     if args.max_T is not None and args.max_T < 256:
         raise SystemExit(f"lintrans bench: --max-T must be >= 256 (the shortest context measured), got {args.max_T}")
     for flag in ("time_cap", "memory_cap_gb", "threads"):
-        value = getattr(args, flag, None)
+        value = getattr(args, flag)
         if value is not None and not value > 0:
             raise SystemExit(f"lintrans bench: --{flag.replace('_', '-')} must be > 0, got {value}")
     if args.ops:
@@ -220,19 +233,19 @@ def build_profile(args) -> Profile:
     from .sizes import resolve_size
     from .train import LINEAR_FORMS
 
-    if getattr(args, "sizes", None):
+    if args.sizes:
         try:
             args.sizes = [resolve_size(name, "--sizes") for name in args.sizes]
         except ValueError as e:
             raise SystemExit(f"lintrans bench: {e}")
-    for form in getattr(args, "forms", None) or ():
+    for form in args.forms or ():
         if form not in LINEAR_FORMS:
             raise SystemExit(f"lintrans bench: --forms must be among {list(LINEAR_FORMS)}, got {form!r}")
-    if getattr(args, "repeats", None) is not None:
+    if args.repeats is not None:
         if args.repeats < 1:
             raise SystemExit(f"lintrans bench: --repeats must be >= 1, got {args.repeats}")
         prof.caps.repeats = args.repeats
-    if getattr(args, "mechanisms", None):
+    if args.mechanisms:
         from lintrans.nn.registry import available_attention
 
         known = [a for a in available_attention() if a not in ("softmax", "linear", "none")]
@@ -240,21 +253,24 @@ def build_profile(args) -> Profile:
             if name not in known:
                 raise SystemExit(f"lintrans bench: --mechanisms must be among {known}, got {name!r}")
         prof.mechanisms = tuple(args.mechanisms)
-    prof.sizes = tuple(args.sizes) if getattr(args, "sizes", None) else prof.sizes
-    prof.forms = tuple(args.forms) if getattr(args, "forms", None) else prof.forms
+    prof.sizes = tuple(args.sizes) if args.sizes else prof.sizes
+    prof.forms = tuple(args.forms) if args.forms else prof.forms
     return prof
 
 
 def run(args) -> int:
+    from lintrans.config import apply_flags, flag_name
     from lintrans.train.distributed import resolve_device
 
     try:
-        args.device = str(resolve_device(args.device, what="--device"))
-    except ValueError as e:
+        opts = apply_flags(BenchOptions(), args, dest="opt:", label=flag_name)
+        opts.device = str(resolve_device(opts.device, what="--device"))
+    except (ValueError, TypeError) as e:
         raise SystemExit(f"lintrans bench: {e}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    prof = build_profile(args)
+    prof = build_profile(opts)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    out = Path(opts.out) if opts.out is not None else None
     for which in BENCHMARKS if args.which == "all" else (args.which,):
-        run_benchmark(which, prof, device=args.device, out=args.out)
+        run_benchmark(which, prof, device=opts.device, out=out)
     return 0

@@ -3,16 +3,46 @@
 Each study sweeps the learning rate per mechanism (seed 0), trains every seed at the chosen rate,
 and writes NAME.json (settings, machine, sweep, every run's curves and metrics, summary) and
 NAME_*.png under --out; finished runs are kept under --out/runs and skipped when a study is
-started again. See docs/experiments.md.
+started again. Every setting of a study is a flag (``--steps 300``, ``--mechanisms softmax
+linear:elu``) and a ``--set`` key (``--set steps=300``), typed by the study's defaults (see
+``lintrans experiment NAME --help`` and docs/experiments.md).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 STUDIES = ("context", "recall", "regression", "distill")
+
+
+@dataclass
+class RunOptions:
+    """How a study runs (where, how many runs at a time, what it prints); what it measures is its settings."""
+
+    quick: bool = field(default=False, metadata={"help": "tiny settings (minutes) that check the machinery; "
+                                                         "not a result"})
+    out: Optional[str] = field(default=None, metadata={
+        "help": "record folder (default docs/results/experiments/NAME, or runs/experiments/NAME-quick with --quick)"})
+    jobs: int = field(default=1, metadata={
+        "low": 1, "help": "runs trained in parallel processes, each with max(1, cores // jobs) torch threads "
+                          "(default 1: in this process)"})
+    device: str = field(default="cpu", metadata={
+        "help": "where every run trains: cpu (default), cuda or cuda:N (checked before any work). Runs already in "
+                "--out/runs are reused whatever trained them"})
+    progress: bool = field(default=True, metadata={"help": "progress bar (--no-progress: none)"})
+    plot_only: bool = field(default=False, metadata={
+        "help": "redraw the PNGs from an existing NAME.json in --out, training nothing"})
+    print_settings: bool = field(default=False, metadata={"help": "print the resolved settings and exit"})
+
+
+def option_label(name: str) -> str:
+    from lintrans.config import flag_name
+
+    return flag_name(name)
 
 
 def default_out(name: str, quick: bool) -> Path:
@@ -21,64 +51,67 @@ def default_out(name: str, quick: bool) -> Path:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("study", choices=STUDIES)
-    p.add_argument("--quick", action="store_true",
-                   help="tiny settings (minutes) that check the machinery; not a result")
-    p.add_argument("--out", type=Path, default=None,
-                   help="record folder (default docs/results/experiments/NAME, or runs/experiments/NAME-quick "
-                        "with --quick)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained in parallel processes, each with max(1, cores // jobs) torch threads "
-                        "(default 1: in this process)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--mechanisms", nargs="+", metavar="SPEC", default=None,
-                   help="attention specs: softmax, linear:elu, linear:based, sliding-window:window=64, "
-                        "NAME:key=value,... (default: the study's list)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per point (default: the study's, 3)")
-    p.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
-                   help="learning rates of the sweep (default: the study's)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="change any other setting of the study (see the JSON's settings), e.g. --set steps=300")
-    p.add_argument("--plot-only", action="store_true",
-                   help="redraw the PNGs from an existing NAME.json in --out, training nothing")
+    from lintrans.config import add_arguments
+
+    from .study import settings_class
+
+    sub = p.add_subparsers(dest="study", metavar="STUDY", required=True)
+    for name in STUDIES:
+        mod = importlib.import_module(f"lintrans.experiments.{name}")
+        about = mod.__doc__.splitlines()[0]
+        sp = sub.add_parser(name, help=about, description=about, allow_abbrev=False)
+        add_arguments(sp, RunOptions, dest="opt:")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change one setting, e.g. --set steps=300 (repeatable; the same as its flag)")
+        group = sp.add_argument_group("settings", "what the study measures (defaults: the study's; with --quick "
+                                                  "its tiny ones); recorded in NAME.json")
+        add_arguments(group, settings_class(name, mod.DEFAULT), dest="setting:")
 
 
-def _changes(args: argparse.Namespace) -> dict:
-    from .study import parse_value
+def resolve(mod, args: argparse.Namespace, quick: bool) -> dict:
+    """The study's settings: its DEFAULT, then QUICK with --quick, then --set items, then flags."""
+    import dataclasses
 
-    changes = {}
-    for item in args.set:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--set needs KEY=VALUE, got {item!r}")
-        changes[key] = parse_value(value)
-    for name in ("mechanisms", "seeds", "lrs"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
-    return changes
+    from lintrans.config import apply_flags, apply_overrides, set_key
+
+    from .study import setting_label, settings_class
+
+    settings = settings_class(mod.NAME, mod.DEFAULT)()
+    for key, value in (mod.QUICK.items() if quick else ()):
+        set_key(settings, key, value, label=setting_label)
+    apply_overrides(settings, args.set, label=setting_label)
+    apply_flags(settings, args, dest="setting:", label=option_label)
+    return dataclasses.asdict(settings)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from .study import resolve_settings, write_record
+    from lintrans.config import apply_flags, dump
+
+    from .study import write_record
 
     mod = importlib.import_module(f"lintrans.experiments.{args.study}")
-    out = args.out if args.out is not None else default_out(args.study, args.quick)
+    out = None
     try:
-        if args.plot_only:
+        opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
+        out = Path(opts.out) if opts.out is not None else default_out(args.study, opts.quick)
+        if opts.plot_only:
             path = out / f"{args.study}.json"
             if not path.is_file():
                 raise ValueError(f"--plot-only needs an existing record {path}")
             record = json.loads(path.read_text())
         else:
-            if isinstance(args.jobs, bool) or args.jobs < 1:
-                raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-            default = resolve_settings(mod.DEFAULT, mod.QUICK) if args.quick else mod.DEFAULT
-            settings = resolve_settings(default, _changes(args))
-            settings["quick"] = bool(args.quick)
+            from lintrans.train.distributed import resolve_device
+
+            device = str(resolve_device(opts.device, what="--device"))  # before any work
+            settings = resolve(mod, args, opts.quick)
+            settings["quick"], settings["device"] = opts.quick, device
             mod.validate(settings)
-            record = mod.run_study(settings, out, jobs=args.jobs, progress=not args.no_progress)
+            if opts.print_settings:
+                print(dump(settings), end="")
+                return 0
+            record = mod.run_study(settings, out, jobs=opts.jobs, progress=opts.progress, device=device)
     except (ValueError, TypeError) as e:
         print(f"lintrans experiment: {e}", file=sys.stderr)
         return 2
@@ -87,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
               "the same command resumes", file=sys.stderr)
         return 130
     trained = record.pop("runs_trained", None)
-    if not args.plot_only:
+    if not opts.plot_only:
         record = json.loads(write_record(out, args.study, record).read_text())
         print(f"wrote {out / (args.study + '.json')} ({trained} runs trained now, the rest from {out / 'runs'})")
     for p in mod.plot(record, out):

@@ -94,11 +94,11 @@ def token_data(source: str):
     return prepare_data(resolve_source(source), get_tokenizer("bytes"), progress=False)
 
 
-def _windows(tokens: np.ndarray, start: int, n_tokens: int, T: int):
+def _windows(tokens: np.ndarray, start: int, n_tokens: int, T: int, device="cpu"):
     """n_tokens + 1 consecutive tokens from ``start`` cut into inputs and targets [n_tokens / T, T]."""
     chunk = torch.from_numpy(tokens[start:start + n_tokens + 1].astype(np.int64))
     idx = torch.arange(n_tokens // T)[:, None] * T + torch.arange(T + 1)[None, :]  # [B, T+1]
-    w = chunk[idx]
+    w = chunk[idx].to(device)
     return w[:, :-1], w[:, 1:]
 
 
@@ -110,16 +110,17 @@ class TextStream:
     Held-out: the first ``val_tokens`` of the validation split, cut the same way.
     """
 
-    def __init__(self, source: str, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int):
+    def __init__(self, source: str, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int,
+                 device="cpu"):
         self.data = token_data(source)
-        self.T, self.tpu = T, tokens_per_update
+        self.T, self.tpu, self.device = T, tokens_per_update, device
         rng = np.random.Generator(np.random.PCG64(seed))
         self.starts = rng.integers(0, len(self.data.train) - tokens_per_update - 1, size=steps)
-        self.val = [_windows(self.data.val, i, min(tokens_per_update, val_tokens - i), T)
+        self.val = [_windows(self.data.val, i, min(tokens_per_update, val_tokens - i), T, device)
                     for i in range(0, val_tokens, tokens_per_update)]
 
     def batch(self, step: int):
-        return _windows(self.data.train, int(self.starts[step]), self.tpu, self.T)
+        return _windows(self.data.train, int(self.starts[step]), self.tpu, self.T, self.device)
 
     def val_loss(self, model: GPT) -> float:
         with torch.no_grad():
@@ -135,11 +136,11 @@ def train_lm(spec: dict, env: study.RunEnv):
     """Train the GPT of a run spec on the text stream: (model, result)."""
     T = spec["context"]
     stream = TextStream(spec["source"], T, spec["tokens_per_update"], spec["steps"], spec["seed"],
-                        spec["val_tokens"])
+                        spec["val_tokens"], env.device)
     config = gpt_config(spec["attention"], n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
                         block_size=T, vocab_size=stream.data.vocab_size)
     torch.manual_seed(spec["seed"])
-    model = GPT(config)
+    model = GPT(config).to(env.device)
     out = study.train(model, lr=spec["lr"], steps=spec["steps"],
                       loss_at=lambda step: model(*stream.batch(step), return_logits=False)[1],
                       evaluate=lambda: {"val_loss": stream.val_loss(model)}, eval_every=spec["eval_every"], env=env)
@@ -153,8 +154,8 @@ def _final(result: dict):
     return result["final_val_loss"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
     token_data(s["source"])  # tokenise (cached) once here, not in every worker
     sweep, runs = study.sweep_and_seeds(
         runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["contexts"], sweep_point=s["sweep_context"],

@@ -148,7 +148,7 @@ def load_teacher(teacher: dict, env: study.RunEnv) -> GPT:
 
     model = GPT(_config(teacher, "softmax"))
     load_model(model, env.path(teacher, ".safetensors"))
-    return model
+    return model.to(env.device)
 
 
 def _config(teacher: dict, fmap: str):
@@ -166,7 +166,7 @@ def _config(teacher: dict, fmap: str):
 def layer_qk(model: GPT, idx: torch.Tensor) -> list:
     """Queries and keys [B, T, H, D] every attention layer computes for ``idx``."""
     t = model.transformer
-    h = t.wte(idx) + (t.wpe(torch.arange(idx.shape[1])) if "wpe" in t else 0)
+    h = t.wte(idx) + (t.wpe(torch.arange(idx.shape[1], device=idx.device)) if "wpe" in t else 0)
     out = []
     for block in t.h:
         q, k, _ = block.attn.qkv(block.ln_1(h))
@@ -219,14 +219,14 @@ def run_replace(spec: dict, env: study.RunEnv) -> dict:
     for p in teacher.parameters():
         p.requires_grad_(False)
     fmap = spec["map"]
-    model = GPT(_config(teacher_spec_, fmap))
+    model = GPT(_config(teacher_spec_, fmap)).to(env.device)
     missing, unexpected = model.load_state_dict(teacher.state_dict(), strict=False)
     assert not unexpected and all(".phi_" in k for k in missing), (missing, unexpected)
     T = teacher_spec_["context"]
     # distillation and fine-tuning read training windows from their own seeded offsets
     stream = context.TextStream(teacher_spec_["source"], T, teacher_spec_["tokens_per_update"],
                                 max(spec["distill_steps"], spec["finetune_steps"]), 1000 + spec["seed"],
-                                teacher_spec_["val_tokens"])
+                                teacher_spec_["val_tokens"], env.device)
     torch.manual_seed(spec["seed"])
     out = {"distill_loss": _distill_hedgehog(teacher, model, stream, spec, env) if fmap == "hedgehog" else None}
     kl_windows = torch.cat([x for x, _ in stream.val])[:spec["kl_windows"]]
@@ -251,8 +251,9 @@ def _final_tuned(result: dict):
     return result["val_loss_finetuned"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME)
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME,
+                          device=device)
     context.token_data(s["source"])
     teacher_sweep, teachers = study.sweep_and_seeds(
         runner, ["teacher"], lrs=s["teacher_lrs"], seeds=s["seeds"], score=_final_teacher, name="role",

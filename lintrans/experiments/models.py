@@ -48,10 +48,12 @@ def parse_attention(spec: str) -> tuple[str, dict]:
 def gpt_config(spec: str, *, linear_form: str = "chunked", **fields) -> GPTConfig:
     """The GPTConfig of an attention spec; mechanisms with a linear-attention ``form`` get
     ``linear_form`` unless the spec sets one. Building the model once checks the options (a bad spec fails before any training)."""
+    import dataclasses
+
     from lintrans.nn.registry import get_attention
 
     name, options = parse_attention(spec)
-    if "form" in getattr(get_attention(name), "DEFAULTS", {}):  # linear attention and its gated kin
+    if "form" in {f.name for f in dataclasses.fields(get_attention(name).Options)}:  # linear and its gated kin
         options.setdefault("form", linear_form)
     config = GPTConfig(dropout=0.0, attention=name, attention_options=options, **fields)
     return config
@@ -78,7 +80,7 @@ def state_floats(model: GPT, seq_len: int) -> float:
     softmax, the recurrent state of linear and gated attention, the ring buffer of a sliding window;
     measured from the model's own generation cache, averaged over layers."""
     model.eval()
-    idx = torch.zeros(1, seq_len, dtype=torch.int64)
+    idx = torch.zeros(1, seq_len, dtype=torch.int64, device=next(model.parameters()).device)
     with torch.no_grad():
         _, cache = model.forward_cached(idx)
     return cache.nbytes() / 4 / model.config.n_layer  # float32

@@ -95,9 +95,9 @@ def run_spec(s: dict, mechanism: str, shape: list, lr: float, seed: int) -> dict
             "lr": lr, "seed": seed, **{k: s[k] for k in keys}}
 
 
-def _batch(spec: dict, n: int, generator: torch.Generator):
+def _batch(spec: dict, n: int, generator: torch.Generator, device="cpu"):
     half = spec["vocab_size"] // 2
-    return recall_batch(n, spec["pairs"], spec["pairs"], half, half, generator)
+    return recall_batch(n, spec["pairs"], spec["pairs"], half, half, generator, device)
 
 
 class ShiftGPT(torch.nn.Module):
@@ -131,12 +131,12 @@ def run(spec: dict, env: study.RunEnv) -> dict:
     config = gpt_config(spec["attention"], n_layer=spec["n_layer"], n_head=spec["heads"], n_embd=spec["width"],
                         block_size=T, vocab_size=spec["vocab_size"], linear_form="attention")
     torch.manual_seed(spec["seed"])
-    model = ShiftGPT(config)
+    model = ShiftGPT(config).to(env.device)
     train_gen = torch.Generator().manual_seed(spec["seed"])
-    held_out = _batch(spec, spec["eval_batch"], torch.Generator().manual_seed(10_000 + spec["seed"]))
+    held_out = _batch(spec, spec["eval_batch"], torch.Generator().manual_seed(10_000 + spec["seed"]), env.device)
 
     def loss_at(step: int) -> torch.Tensor:
-        return F.cross_entropy(*_query_logits(model, *_batch(spec, spec["batch_size"], train_gen)))
+        return F.cross_entropy(*_query_logits(model, *_batch(spec, spec["batch_size"], train_gen, env.device)))
 
     def evaluate() -> dict:
         logits, answers = _query_logits(model, *held_out)
@@ -155,8 +155,8 @@ def _final(result: dict):
     return result["final_loss"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
     sweep, runs = study.sweep_and_seeds(
         runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["shapes"],
         # a rate per shape: the rate chosen at width 64 left width 128 at chance (the first version-2 record)

@@ -101,9 +101,9 @@ def curriculum(spec: dict, step: int) -> tuple[int, int]:
     return dims, spec["start_points"] + round(frac * (spec["points"] - spec["start_points"]))
 
 
-def _batch(spec: dict, n: int, dims: int, points: int, generator: torch.Generator):
-    xs, ys, _ = regression_batch(n, points, dims, generator)
-    pad = torch.zeros(n, points, spec["dim"] - dims)  # unused dimensions are zero
+def _batch(spec: dict, n: int, dims: int, points: int, generator: torch.Generator, device="cpu"):
+    xs, ys, _ = regression_batch(n, points, dims, generator, device)
+    pad = torch.zeros(n, points, spec["dim"] - dims, device=device)  # unused dimensions are zero
     return torch.cat([xs, pad], dim=-1), ys
 
 
@@ -120,14 +120,14 @@ def run(spec: dict, env: study.RunEnv) -> dict:
     # linear attention in its quadratic form: the same function, fastest at these lengths
     config = gpt_config(spec["attention"], linear_form="attention", **_fields(spec))
     torch.manual_seed(spec["seed"])
-    model = VectorGPT(config, in_dim=spec["dim"] + 1)
+    model = VectorGPT(config, in_dim=spec["dim"] + 1).to(env.device)
     gen = torch.Generator().manual_seed(spec["seed"])
     held_out = _batch(spec, spec["eval_batch"], spec["dim"], spec["eval_points"],
-                      torch.Generator().manual_seed(10_000 + spec["seed"]))
+                      torch.Generator().manual_seed(10_000 + spec["seed"]), env.device)
 
     def loss_at(step: int) -> torch.Tensor:
         dims, points = curriculum(spec, step)
-        return _errors(model, *_batch(spec, spec["batch_size"], dims, points, gen), dims).mean()
+        return _errors(model, *_batch(spec, spec["batch_size"], dims, points, gen, env.device), dims).mean()
 
     def evaluate() -> dict:
         by_k = _errors(model, *held_out, spec["dim"]).mean(0).tolist()
@@ -152,8 +152,8 @@ def _final(result: dict):
     return result["error"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True) -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME)
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
     sweep, runs = study.sweep_and_seeds(runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], score=_final,
                                         spec_for=lambda m, _, lr, seed: run_spec(s, m, lr, seed))
     # baselines per seed, each on that seed's held-out set, then spread like the models

@@ -6,7 +6,8 @@ a hash of that dict, and its result is stored as ``<out>/runs/<key>.json`` (writ
 a study that is stopped and started again finds every finished run and redoes only the rest. A run
 function ``fn(spec, env) -> dict`` is a module-level function (workers import it by name under the
 spawn start method); ``env.advance(n)`` moves the progress bar, ``env.path(spec, suffix)`` names a
-file beside a run's JSON (e.g. weights another run loads).
+file beside a run's JSON (e.g. weights another run loads), ``env.device`` is where the run trains
+(``--device``; not part of the run's key, like ``--jobs``).
 
 Each study does the same two phases:
 
@@ -17,6 +18,9 @@ Each study does the same two phases:
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -32,6 +36,7 @@ import torch
 
 from lintrans._io import atomic_write_text
 from lintrans.checks import check_number
+from lintrans.config import set_key
 
 RUNS_DIR = "runs"
 
@@ -77,10 +82,12 @@ class RunStore:
 
 
 class RunEnv:
-    """What a run function gets besides its spec: progress reporting and file names in the store."""
+    """What a run function gets besides its spec: progress reporting, file names in the store and
+    the device to train on."""
 
-    def __init__(self, store: RunStore, report: Callable[[int], None]):
+    def __init__(self, store: RunStore, report: Callable[[int], None], device: str = "cpu"):
         self.store, self._report, self.reported = store, report, 0
+        self.device = torch.device(device)
 
     def advance(self, n: int = 1) -> None:
         self.reported += n
@@ -97,10 +104,11 @@ def _resolve(fn_name: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _execute(fn_name: str, spec: dict, folder: str, units: int, report: Callable[[int], None]) -> dict:
+def _execute(fn_name: str, spec: dict, folder: str, units: int, report: Callable[[int], None],
+             device: str = "cpu") -> dict:
     store = RunStore(folder)
-    env = RunEnv(store, report)
-    result = _resolve(fn_name)(spec, env)
+    env = RunEnv(store, report, device)
+    result = {**_resolve(fn_name)(spec, env), "device": str(env.device)}
     store.put(spec, result)
     if env.reported < units:  # top up so the bar ends exact whatever the run reported
         report(units - env.reported)
@@ -126,9 +134,9 @@ def _queue_report(n: int) -> None:
         _PENDING[0], _PENDING[1] = 0, now
 
 
-def _worker(fn_name: str, spec: dict, folder: str, units: int) -> dict:
+def _worker(fn_name: str, spec: dict, folder: str, units: int, device: str) -> dict:
     try:
-        return _execute(fn_name, spec, folder, units, _queue_report)
+        return _execute(fn_name, spec, folder, units, _queue_report, device)
     finally:
         if _PENDING[0]:
             _QUEUE.put(_PENDING[0])
@@ -145,12 +153,13 @@ def cpu_cores() -> int:
 class Runner:
     """Runs the specs of one study that are not yet in its store, in-process (jobs=1) or in ``jobs``
     spawned worker processes with ``max(1, cores // jobs)`` torch threads each, behind one tqdm bar
-    counting ``units(spec)`` (training steps) per run."""
+    counting ``units(spec)`` (training steps) per run; every run trains on ``device``."""
 
     def __init__(self, fn_name: str, out, *, jobs: int = 1, progress: bool = True,
-                 units: Callable[[dict], int] = lambda spec: spec.get("steps", 1), desc: str = ""):
+                 units: Callable[[dict], int] = lambda spec: spec.get("steps", 1), desc: str = "",
+                 device: str = "cpu"):
         check_number("jobs", jobs, integer=True, low=1)
-        self.fn_name, self.store, self.jobs = fn_name, RunStore(out), jobs
+        self.fn_name, self.store, self.jobs, self.device = fn_name, RunStore(out), jobs, str(device)
         self.progress, self.units, self.desc = progress, units, desc
         self.trained = 0  # runs trained (not found in the store) by this runner
 
@@ -173,7 +182,8 @@ class Runner:
                   unit="step") as bar:
             if self.jobs == 1:
                 for spec in specs:
-                    _execute(self.fn_name, spec, str(self.store.folder.parent), self.units(spec), bar.update)
+                    _execute(self.fn_name, spec, str(self.store.folder.parent), self.units(spec), bar.update,
+                             self.device)
                     self.trained += 1
             else:
                 self._run_parallel(specs, bar)
@@ -188,7 +198,7 @@ class Runner:
         with ProcessPoolExecutor(self.jobs, mp_context=ctx, initializer=_init_worker,
                                  initargs=(progress_queue, threads)) as pool:
             try:
-                futures = {pool.submit(_worker, self.fn_name, s, folder, self.units(s)) for s in specs}
+                futures = {pool.submit(_worker, self.fn_name, s, folder, self.units(s), self.device) for s in specs}
                 while futures:
                     done, futures = wait(futures, timeout=0.25, return_when=FIRST_COMPLETED)
                     self._drain(progress_queue, bar)
@@ -282,7 +292,7 @@ def spread_curves(curves: list[list]) -> dict:
 def write_record(out, name: str, record: dict) -> Path:
     from lintrans.bench.machine import machine_info
 
-    record = {"study": name, **record, "machine": machine_info("cpu")}
+    record = {"study": name, **record, "machine": machine_info(record.get("settings", {}).get("device", "cpu"))}
     path = Path(out) / f"{name}.json"
     atomic_write_text(path, json.dumps(finite(record), indent=1, allow_nan=False))
     return path
@@ -454,27 +464,28 @@ def check_lrs(lrs) -> None:
         raise ValueError(f"lrs must be distinct, got {lrs}")
 
 
-def parse_value(text: str):
-    """A --set value: JSON if it parses (numbers, lists, true/false), else the text itself."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+def setting_label(name: str) -> str:
+    return f"setting {name!r}"
+
+
+def _type_of(value):
+    return list[_type_of(value[0])] if isinstance(value, list) and value else type(value)
+
+
+def settings_class(name: str, default: dict) -> type:
+    """A study's settings as a dataclass (names, types and defaults from its ``DEFAULT``), so the
+    command line, --set and files check them with ``lintrans.config`` like every other config."""
+    fields = [(k, _type_of(v), dataclasses.field(default_factory=functools.partial(copy.deepcopy, v)))
+              for k, v in default.items()]
+    return dataclasses.make_dataclass(f"{name.title()}Settings", fields)
 
 
 def resolve_settings(default: dict, changes: dict) -> dict:
     """``default`` with ``changes`` applied; unknown names and values of the wrong type are errors."""
-    settings = json.loads(json.dumps(default))  # a deep copy
+    settings = settings_class("study", default)()
     for name, value in changes.items():
-        if name not in default:
-            raise ValueError(f"unknown setting {name!r}; settings are {sorted(default)}")
-        want = default[name]
-        if isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not type(want):
-            raise TypeError(f"setting {name!r} must be a {type(want).__name__} like {want!r}, got {value!r}")
-        settings[name] = value
-    return settings
+        set_key(settings, name, value, label=setting_label)
+    return dataclasses.asdict(settings)
 
 
 def style(ax, xlabel: str, ylabel: str, title: str = None) -> None:

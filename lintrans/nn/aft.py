@@ -11,12 +11,12 @@ every earlier position.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from lintrans.ops.validation import check_positive_int
 from lintrans.ops.aft import (
     aft,
     aft_last_row,
@@ -29,12 +29,29 @@ from lintrans.ops.aft import (
 from .attention import KVCache, QKVAttention, check_options
 from .registry import register_attention
 
+PER_HEAD = {"help": "a position bias per head (else one shared by the heads)"}
+
+
+@dataclass
+class AFTFullOptions:
+    per_head: bool = field(default=False, metadata=PER_HEAD)
+
+
+@dataclass
+class AFTLocalOptions:
+    per_head: bool = field(default=False, metadata=PER_HEAD)
+    window: int = field(default=32, metadata={"low": 1, "help": "keys back that get the learned bias"})
+
+
+@dataclass
+class AFTConvOptions:
+    kernel: int = field(default=32, metadata={"low": 1, "help": "positions of the relative bias"})
+
 
 class _AFT(QKVAttention):
-    """Shared by the four variants; subclasses set NAME, VARIANT, DEFAULTS and make the bias."""
+    """Shared by the four variants; subclasses set NAME, VARIANT, Options and make the bias."""
 
     NAME = VARIANT = ""
-    DEFAULTS: dict = {}
 
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
@@ -54,17 +71,14 @@ class _AFT(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        self.opts = check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
+        self.opts = check_options(self.NAME, config.attention_options, self.Options)
         self.block_size = config.block_size
         self.pos_bias: Optional[nn.Parameter] = None
         self.window: Optional[int] = None
 
     def _per_head_bias(self, config) -> nn.Parameter:
-        per_head = self.opts["per_head"]
-        if not isinstance(per_head, bool):
-            raise TypeError(f"attention_options['per_head'] must be a bool, got {per_head!r}")
         T = config.block_size
-        return nn.Parameter(torch.zeros(config.n_head, T, T) if per_head else torch.zeros(T, T))
+        return nn.Parameter(torch.zeros(config.n_head, T, T) if self.opts["per_head"] else torch.zeros(T, T))
 
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         q, k, v = self.qkv(x)
@@ -104,7 +118,7 @@ class AFTFull(_AFT):
     (or [n_head, block_size, block_size] with ``per_head``)."""
 
     NAME, VARIANT = "aft-full", "full"
-    DEFAULTS = {"per_head": False}
+    Options = AFTFullOptions
 
     def __init__(self, config):
         super().__init__(config)
@@ -116,11 +130,10 @@ class AFTLocal(_WindowedAFT):
     """AFT-local: the pairwise bias only for keys less than ``window`` positions back; others count unbiased."""
 
     NAME, VARIANT = "aft-local", "local"
-    DEFAULTS = {"per_head": False, "window": 32}
+    Options = AFTLocalOptions
 
     def __init__(self, config):
         super().__init__(config)
-        check_positive_int("attention_options['window']", self.opts["window"])
         self.window = self.opts["window"]
         self.pos_bias = self._per_head_bias(config)
 
@@ -130,11 +143,10 @@ class AFTConv(_WindowedAFT):
     """AFT-conv: a per-head relative bias over the last ``kernel`` positions, [n_head, kernel]."""
 
     NAME, VARIANT = "aft-conv", "conv"
-    DEFAULTS = {"kernel": 32}
+    Options = AFTConvOptions
 
     def __init__(self, config):
         super().__init__(config)
-        check_positive_int("attention_options['kernel']", self.opts["kernel"])
         self.pos_bias = nn.Parameter(torch.zeros(config.n_head, self.opts["kernel"]))
 
 

@@ -8,15 +8,17 @@ n_kv_head key/value heads, each key/value head shared by n_head // n_kv_head que
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lintrans.ops.validation import check_positive_int
+from lintrans.config import set_key
 from lintrans.ops.feature_maps import FEATURE_MAPS
 from lintrans.ops.context_parallel import context_parallel_linear_attention
 from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
@@ -25,8 +27,19 @@ from .feature_maps import Hedgehog, Performer, ReBased
 from .registry import register_attention
 
 
+@dataclass
+class NoOptions:
+    """The options of a mechanism that takes none."""
+
+
 class QKVAttention(nn.Module):
-    """The projections every q/k/v mechanism shares: x [B,T,C] -> q [B,T,H,D], k, v [B,T,Hkv,D]."""
+    """The projections every q/k/v mechanism shares: x [B,T,C] -> q [B,T,H,D], k, v [B,T,Hkv,D].
+
+    ``Options``: the dataclass of the mechanism's ``attention_options`` (typed keys and defaults,
+    checked by ``check_options``); each registered layer sets its own.
+    """
+
+    Options: type = NoOptions
 
     def __init__(self, config):
         super().__init__()
@@ -79,14 +92,23 @@ class QKVAttention(nn.Module):
 
     @classmethod
     def option(cls, shape, name: str):
-        return {**getattr(cls, "DEFAULTS", {}), **(getattr(shape, "attention_options", None) or {})}.get(name)
+        return {**dataclasses.asdict(cls.Options()), **(getattr(shape, "attention_options", None) or {})}.get(name)
 
 
-def check_options(name: str, options: dict, allowed: dict) -> dict:
+def check_options(name: str, options: dict, schema: type) -> dict:
+    """Every option of mechanism ``name``: ``options`` checked against its options dataclass
+    ``schema`` (unknown keys: ValueError naming the allowed ones; a value of the wrong type or out of
+    range: TypeError/ValueError naming the key), with the defaults filled in."""
+    if not isinstance(options, dict):
+        raise TypeError(f"attention_options for {name!r} must be a mapping, got {options!r}")
+    allowed = [f.name for f in dataclasses.fields(schema)]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"unknown attention_options {unknown} for {name!r}; allowed: {sorted(allowed)}")
-    return {**allowed, **options}
+    typed = schema()
+    for key, value in options.items():
+        set_key(typed, key, value, label=lambda k: f"attention_options[{k!r}]")
+    return dataclasses.asdict(typed)
 
 
 class KVCache:
@@ -141,7 +163,7 @@ class SoftmaxAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        check_options("softmax", dict(config.attention_options), {})
+        check_options("softmax", config.attention_options, self.Options)
 
     def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False):
         q, k, v = self.qkv(x)  # [B,T,H,D], [B,T,Hkv,D]
@@ -189,7 +211,7 @@ class NoMixingAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        check_options("none", dict(config.attention_options), {})
+        check_options("none", config.attention_options, self.Options)
 
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         _, _, v = self.qkv(x)  # [B,T,Hkv,D]; q and k are computed and dropped, as their cost is real
@@ -230,6 +252,26 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
     return (phi_q, None) if shared_qk else (phi_q, cls(head_dim, **kwargs))
 
 
+FEATURE_MAP = {"help": "feature map name (module maps take feature_map_options)",
+               "choices": tuple(feature_map_names())}
+
+
+@dataclass
+class LinearOptions:
+    feature_map: str = field(default="elu", metadata=FEATURE_MAP)
+    feature_map_options: dict = field(default_factory=dict,
+                                      metadata={"help": "constructor arguments of a module feature map"})
+    per_head: bool = field(default=True, metadata={"help": "module feature maps: parameters per head"})
+    shared_qk: Optional[bool] = field(default=None, metadata={
+        "help": "module feature maps: one module for q and k (None: the map's default)"})
+    form: str = field(default="chunked", metadata={"choices": tuple(FORMS)})
+    chunk_size: Union[int, Literal["auto"]] = field(default=64, metadata={
+        "low": 1, "help": "auto: the measured fastest (lintrans tune)"})
+    normalize: bool = True
+    scale: Optional[float] = field(default=1.0, metadata={"help": "None: 1 / sqrt(head_dim)"})
+    eps: float = 1e-6
+
+
 @register_attention("linear")
 class LinearAttention(QKVAttention):
     """Causal linear attention: chunked (or any form) for the prompt, a fixed-size state per token after.
@@ -242,17 +284,7 @@ class LinearAttention(QKVAttention):
     NAME = "linear"
     CONTEXT_PARALLEL = True  # GPT.set_context_parallel: the state crosses processes, not the keys
     context_parallel = None  # the ProcessGroup when set
-    DEFAULTS = {
-        "feature_map": "elu",
-        "feature_map_options": {},  # constructor arguments of a module feature map
-        "per_head": True,  # module feature maps: parameters per head
-        "shared_qk": None,  # module feature maps: one module for q and k (None: the map's default)
-        "form": "chunked",
-        "chunk_size": 64,
-        "normalize": True,
-        "scale": 1.0,  # None: 1 / sqrt(head_dim)
-        "eps": 1e-6,
-    }
+    Options = LinearOptions
 
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
@@ -278,11 +310,7 @@ class LinearAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        opts = check_options(self.NAME, dict(config.attention_options), self.DEFAULTS)
-        if opts["form"] not in FORMS:
-            raise ValueError(f"attention_options['form'] must be one of {list(FORMS)}, got {opts['form']!r}")
-        if opts["chunk_size"] != "auto":  # "auto": the op picks the measured fastest (lintrans tune)
-            check_positive_int("attention_options['chunk_size']", opts["chunk_size"])
+        opts = check_options(self.NAME, config.attention_options, self.Options)
         fm = build_feature_maps(
             opts["feature_map"], dict(opts["feature_map_options"]), self.head_dim, self.n_head,
             opts["per_head"], opts["shared_qk"],

@@ -8,6 +8,7 @@ row under the same mask as the forward pass, at O(T) per token like softmax's KV
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -18,14 +19,23 @@ from .attention import KVCache, QKVAttention, check_options
 from .registry import register_attention
 
 
+@dataclass
+class BigBirdOptions:
+    block_size: int = field(default=64, metadata={"help": "tokens per block"})
+    window_blocks: int = 3
+    global_blocks: int = 1
+    random_blocks: int = 2
+    seed: int = field(default=0, metadata={"help": "the random blocks (the same in every layer)"})
+    scale: Optional[float] = field(default=None, metadata={"help": "None: 1 / sqrt(head_dim)"})
+
+
 @register_attention("bigbird")
 class BigBirdAttention(QKVAttention):
-    DEFAULTS = {"block_size": 64, "window_blocks": 3, "global_blocks": 1, "random_blocks": 2, "seed": 0,
-                "scale": None}
+    Options = BigBirdOptions
 
     def __init__(self, config):
         super().__init__(config)
-        self.opts = check_options("bigbird", dict(config.attention_options), self.DEFAULTS)
+        self.opts = check_options("bigbird", config.attention_options, self.Options)
         self.pattern = {k: self.opts[k] for k in ("block_size", "window_blocks", "global_blocks", "random_blocks", "seed")}
         bigbird_mask(1, **self.pattern)  # checks the options now, not at the first forward
 

@@ -6,6 +6,7 @@ position of a sequence shares one M and decoding keeps a constant-size state), `
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lintrans.checks import check_number
@@ -15,13 +16,20 @@ from .attention import LinearAttention, QKVAttention, check_options
 from .registry import register_attention
 
 
+@dataclass
+class CosformerOptions:
+    max_len: Optional[int] = field(default=None, metadata={"help": "M of the re-weighting (None: block_size)"})
+    eps: float = 1e-6
+    chunk_size: int = 64
+
+
 @register_attention("cosformer")
 class CosformerAttention(QKVAttention):
-    DEFAULTS = {"max_len": None, "eps": 1e-6, "chunk_size": 64}
+    Options = CosformerOptions
 
     def __init__(self, config):
         super().__init__(config)
-        opts = check_options("cosformer", dict(config.attention_options), self.DEFAULTS)
+        opts = check_options("cosformer", config.attention_options, self.Options)
         self.max_len = config.block_size if opts["max_len"] is None else opts["max_len"]
         check_number("attention_options['max_len']", self.max_len, integer=True, low=config.block_size)
         check_number("attention_options['eps']", opts["eps"], low=0)

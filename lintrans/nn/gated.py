@@ -15,22 +15,32 @@ these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``ta
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lintrans.checks import check_number
 
-from .attention import LinearAttention
+from .attention import FEATURE_MAP, LinearAttention, LinearOptions
 from .registry import register_attention
 
-_GATED_DEFAULTS = {
-    **LinearAttention.DEFAULTS,
-    "feature_map": "identity",
-    "normalize": False,
-    "scale": None,  # 1 / sqrt(head_dim)
-    "group_norm": True,
-}
+
+@dataclass
+class RetentionOptions(LinearOptions):
+    """``linear``'s options with RetNet's defaults, plus ``group_norm``."""
+
+    feature_map: str = field(default="identity", metadata=FEATURE_MAP)
+    normalize: bool = False
+    scale: Optional[float] = field(default=None, metadata={"help": "None: 1 / sqrt(head_dim)"})
+    group_norm: bool = field(default=True, metadata={"help": "layer-normalise each head's output"})
+
+
+@dataclass
+class GatedLinearOptions(RetentionOptions):
+    tau: float = field(default=16.0, metadata={"help": "gate temperature (> 0)"})
 
 
 def retnet_log_decays(n_head: int, device=None) -> torch.Tensor:
@@ -38,15 +48,9 @@ def retnet_log_decays(n_head: int, device=None) -> torch.Tensor:
     return torch.log1p(-(2.0 ** (-5.0 - torch.arange(n_head, dtype=torch.float64, device=device))))
 
 
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"attention_options['{name}'] must be a bool, got {value!r}")
-
-
 class _GatedAttention(LinearAttention):
     def __init__(self, config):
         super().__init__(config)
-        _check_bool("group_norm", self.options["group_norm"])
         self.group_norm = self.options["group_norm"]
 
     def finish(self, o: torch.Tensor) -> torch.Tensor:
@@ -58,7 +62,7 @@ class Retention(_GatedAttention):
     """RetNet's retention: linear attention with a fixed decay per head (see the module docstring)."""
 
     NAME = "retention"
-    DEFAULTS = _GATED_DEFAULTS
+    Options = RetentionOptions
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         # made per call (H numbers) rather than kept as a buffer, which .half() would round
@@ -88,7 +92,7 @@ class GatedLinearAttention(_GatedAttention):
     """Linear attention with a learned gate per token and head (see the module docstring)."""
 
     NAME = "gated-linear"
-    DEFAULTS = {**_GATED_DEFAULTS, "tau": 16.0}
+    Options = GatedLinearOptions
 
     def __init__(self, config):
         super().__init__(config)

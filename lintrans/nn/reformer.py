@@ -13,6 +13,7 @@ forward pass.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -47,9 +48,18 @@ class LSHCache(KVCache):
         return super().nbytes() + self.buckets.numel() * self._b.element_size()
 
 
+@dataclass
+class ReformerOptions:
+    n_buckets: int = 32
+    n_hashes: int = field(default=2, metadata={"help": "hashing rounds"})
+    chunk_size: int = 64
+    seed: int = field(default=0, metadata={"help": "the rotations (the same in every layer)"})
+    scale: Optional[float] = field(default=None, metadata={"help": "None: 1 / sqrt(head_dim)"})
+
+
 @register_attention("reformer")
 class ReformerAttention(QKVAttention):
-    DEFAULTS = {"n_buckets": 32, "n_hashes": 2, "chunk_size": 64, "seed": 0, "scale": None}
+    Options = ReformerOptions
 
     def __init__(self, config):
         super().__init__(config)
@@ -57,7 +67,7 @@ class ReformerAttention(QKVAttention):
             raise ValueError(f"reformer shares one projection for queries and keys, so it has no grouped-query "
                              f"heads: n_kv_head must be None or n_head ({self.n_head}), got {config.n_kv_head}")
         self.c_attn = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)  # qk and v
-        opts = check_options("reformer", dict(config.attention_options), self.DEFAULTS)
+        opts = check_options("reformer", config.attention_options, self.Options)
         self.lsh = {k: opts[k] for k in ("n_buckets", "n_hashes", "chunk_size", "seed")}
         check_lsh_options(causal=True, lookback="window", **self.lsh)
         check_number("attention_options['scale']", opts["scale"], allow_none=True)

@@ -5,6 +5,11 @@ n_embd, n_head, n_kv_head, bias, dropout, block_size and ``config.attention_opti
 
     forward(x [B, T, C], cache=None, use_cache=False) -> (y [B, T, C], new_cache or None)
 
+Each layer class names the dataclass of its ``attention_options`` as ``Options`` (typed keys with
+defaults; ``attention_options(name)`` returns it), so options are checked per mechanism wherever
+they come from (a TOML ``[model.attention_options]`` table, ``--set model.attention_options.x=...``,
+a checkpoint's config.json).
+
 ``cache`` is whatever the layer returned for the tokens before ``x`` (a KV cache, a recurrent
 state, a ring buffer); with ``use_cache=True`` the layer returns the cache covering ``x`` too, so
 prefill is one call on the prompt and decoding is one call per token. A layer that cannot decode
@@ -12,6 +17,7 @@ incrementally raises NotImplementedError naming itself when ``use_cache=True``.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 _REGISTRY: dict[str, type] = {}
@@ -24,6 +30,8 @@ def register_attention(name: str):
     def deco(cls):
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"attention {name!r} registered twice")
+        if not dataclasses.is_dataclass(getattr(cls, "Options", None)):
+            raise TypeError(f"attention {name!r}: {cls.__name__}.Options must be the dataclass of its options")
         _REGISTRY[name] = cls
         return cls
 
@@ -45,6 +53,11 @@ def get_attention(name: str) -> type:
     if name not in _REGISTRY:
         raise ValueError(f"attention must be one of {sorted(_REGISTRY)}, got {name!r}")
     return _REGISTRY[name]
+
+
+def attention_options(name: str) -> type:
+    """The options dataclass of attention ``name`` (its fields are the keys of ``attention_options``)."""
+    return get_attention(name).Options
 
 
 def context_parallel_attention() -> list[str]:

@@ -10,12 +10,12 @@ keys up to the last global position: memory constant in the generated length.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
-from lintrans.ops.validation import check_positive_int
 from lintrans.ops.sliding_window import (
     SlidingWindowCache,
     global_positions,
@@ -34,9 +34,17 @@ class LongformerCache(NamedTuple):
     global_v: torch.Tensor  # [B, H, P, D]
 
 
+@dataclass
+class SlidingWindowOptions:
+    window: int = field(default=128, metadata={"low": 1, "help": "keys per query"})
+    dilation: int = field(default=1, metadata={"low": 1})
+    global_tokens: Optional[list[int]] = field(default=None, metadata={"help": "absolute positions, e.g. [0]"})
+    scale: Optional[float] = field(default=None, metadata={"help": "None: 1 / sqrt(head_dim)"})
+
+
 @register_attention("sliding-window")
 class SlidingWindowAttention(QKVAttention):
-    DEFAULTS = {"window": 128, "dilation": 1, "global_tokens": None, "scale": None}
+    Options = SlidingWindowOptions
 
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
@@ -50,9 +58,7 @@ class SlidingWindowAttention(QKVAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        opts = check_options("sliding-window", dict(config.attention_options), self.DEFAULTS)
-        check_positive_int("attention_options['window']", opts["window"])
-        check_positive_int("attention_options['dilation']", opts["dilation"])
+        opts = check_options("sliding-window", config.attention_options, self.Options)
         self.window, self.dilation, self.scale = opts["window"], opts["dilation"], opts["scale"]
         g = global_positions(opts["global_tokens"], None)
         self.global_tokens = None if g is None or g.numel() == 0 else g.tolist()

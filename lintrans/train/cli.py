@@ -12,7 +12,9 @@ import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from .config import key_types
+    from lintrans.config import add_arguments
+
+    from .config import TrainConfig
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2]
@@ -24,18 +26,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--device", default=None, help="train.device: auto, cpu, cuda, cuda:N or mps")
     keys = parser.add_argument_group("config keys (same as --set KEY=VALUE)")
-    for key, typ in key_types().items():
-        name = getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
-        keys.add_argument(f"--{key}", metavar=name.upper(), dest=f"key:{key}", default=None, help=argparse.SUPPRESS)
+    add_arguments(keys, TrainConfig, hidden=True)
     keys.description = "every key of the config, e.g. --train.max_steps 500 --model.attention linear (see docs/training.md)"
 
 
 def run(args: argparse.Namespace) -> int:
+    from lintrans.config import given_flags
+
     from .config import load_config
 
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device is not None else [])
-    overrides += [f"{dest[4:]}={value}" for dest, value in vars(args).items()
-                  if dest.startswith("key:") and value is not None]
+    overrides += [f"{key}={value}" for key, value in given_flags(args)]
     config = args.config
     if config is None:
         # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU
@@ -48,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"lintrans train: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
+        from lintrans.config import dump
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(dump(cfg), end="")
         return 0
     from .loop import train
 

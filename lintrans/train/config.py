@@ -1,18 +1,18 @@
 """Training configuration: four sections (model, data, optim, train) from TOML/YAML plus overrides.
 
-Every key is typed; an unknown key or a value of the wrong type is a ValueError/TypeError naming
-the key and what is allowed, raised before any data is read or any step is taken.
+Every key is typed (the dataclasses below, through ``lintrans.config``: flags, overrides, files);
+an unknown key or a value of the wrong type is a ValueError/TypeError naming the key and what is
+allowed, raised before any data is read or any step is taken.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from lintrans.config import apply_overrides, dump, flatten, from_dict, read_file
 from lintrans.models import GPTConfig
 
 from .tokenizer import TOKENIZERS
@@ -79,7 +79,8 @@ SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainSection}
 
 @dataclass
 class TrainConfig:
-    model: dict = field(default_factory=dict)  # GPTConfig keys; vocab_size defaults to the tokenizer's
+    # GPTConfig keys, only those set (vocab_size defaults to the tokenizer's)
+    model: dict = field(default_factory=dict, metadata={"schema": GPTConfig})
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
@@ -89,9 +90,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        cfg = cls()
-        for key, value in _flatten(d, "").items():
-            set_key(cfg, key, value, from_text=False)
+        unknown = [k for k in d if k not in ("model", *SECTIONS)] if isinstance(d, dict) else []
+        if unknown:
+            raise ValueError(f"unknown config section {unknown[0]!r}; sections are {['model', *SECTIONS]}")
+        cfg = from_dict(cls, d)
         cfg.validate()
         return cfg
 
@@ -101,7 +103,7 @@ class TrainConfig:
         _choice("train.precision", self.train.precision, PRECISIONS)
         _choice("train.resume", self.train.resume, RESUME_MODES)
         _choice("train.parallel", self.train.parallel, PARALLEL)
-        for key, value in _flatten(self.to_dict(), "").items():
+        for key, value in flatten(TrainConfig, self.to_dict()).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"config key {key!r} must be a finite number, got {value}")
         if not 0 < self.data.val_fraction < 1:
@@ -169,125 +171,6 @@ def _positive(name, value):
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def _flatten(d: dict, prefix: str) -> dict:
-    """{"train": {"max_steps": 5}} -> {"train.max_steps": 5}; model values (dicts included) stay whole."""
-    if not isinstance(d, dict):
-        raise TypeError(f"config{' section ' + prefix[:-1] if prefix else ''} must be a table/mapping, got {d!r}")
-    out = {}
-    for key, value in d.items():
-        if not prefix and key not in ("model", *SECTIONS):
-            raise ValueError(f"unknown config section {key!r}; sections are {['model', *SECTIONS]}")
-        if not prefix:
-            out.update(_flatten(value, key + "."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-# ---- typed keys ------------------------------------------------------------------------------
-
-
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def key_types() -> dict[str, Any]:
-    """Every settable key ("section.name") and its type, for help texts and checks."""
-    out = {f"model.{k}": t for k, t in _field_types(GPTConfig).items()}
-    for section, cls in SECTIONS.items():
-        out.update({f"{section}.{k}": t for k, t in _field_types(cls).items()})
-    return out
-
-
-def set_key(cfg: TrainConfig, key: str, value, *, from_text: bool) -> None:
-    """Set ``section.name`` (or ``model.attention_options.x``) to ``value``, checking its type.
-
-    ``from_text``: the value is a command-line string, converted to the key's type.
-    """
-    types = key_types()
-    parts = key.split(".")
-    head = ".".join(parts[:2])
-    if head not in types:
-        section = parts[0]
-        if section not in ("model", *SECTIONS):
-            raise ValueError(f"unknown config key {key!r}: sections are {['model', *SECTIONS]}")
-        names = sorted(k.split(".", 1)[1] for k in types if k.startswith(section + "."))
-        raise ValueError(f"unknown config key {key!r}; keys of [{section}] are {names}")
-    typ = types[head]
-    if len(parts) > 2:  # a key inside a dict-valued option, e.g. model.attention_options.feature_map
-        if _base(typ) is not dict:
-            raise ValueError(f"config key {head!r} is not a table, so {key!r} cannot be set")
-        inner = value if not from_text else _parse_text_value(value)
-        container = dict(_get(cfg, head) or {})
-        node = container
-        for p in parts[2:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = inner
-        value, from_text = container, False
-    value = _convert(key, value, typ, from_text)
-    section, name = parts[0], parts[1]
-    if section == "model":
-        cfg.model[name] = value
-    else:
-        setattr(getattr(cfg, section), name, value)
-
-
-def _get(cfg: TrainConfig, head: str):
-    section, name = head.split(".")
-    return cfg.model.get(name) if section == "model" else getattr(getattr(cfg, section), name)
-
-
-def _base(typ):
-    args = [a for a in typing.get_args(typ) if a is not type(None)]
-    return args[0] if typing.get_origin(typ) is typing.Union else typ
-
-
-def _convert(key: str, value, typ, from_text: bool):
-    optional = typing.get_origin(typ) is typing.Union and type(None) in typing.get_args(typ)
-    base = _base(typ)
-    base = dict if base is dict or typing.get_origin(base) is dict else base
-    what = ("an optional " if optional else "an " if base.__name__[0] in "aeiou" else "a ") + base.__name__
-    if from_text:
-        text = value.strip()
-        if optional and text.lower() in ("none", "null", ""):
-            return None
-        try:
-            if base is bool:
-                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return text.lower() in ("true", "1", "yes")
-            if base is dict:
-                value = _parse_text_value(text)
-                if not isinstance(value, dict):
-                    raise ValueError
-                return value
-            return base(text)
-        except ValueError:
-            raise TypeError(f"config key {key!r} needs {what}, got {value!r}") from None
-    if value is None and optional:
-        return None
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
-        raise TypeError(f"config key {key!r} needs {what}, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _parse_text_value(text: str):
-    """A command-line value: JSON/YAML scalars and mappings, else the plain string."""
-    import yaml
-
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 # ---- files -----------------------------------------------------------------------------------
 
 
@@ -312,57 +195,21 @@ def resolve_config_path(path) -> Path:
 
 def read_config_file(path) -> dict:
     """A TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file as a dict; or a shipped config's name."""
-    path = resolve_config_path(path)
-    text = path.read_text()
-    if path.suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            try:
-                import tomli as tomllib
-            except ImportError:
-                raise ImportError("reading TOML on Python 3.10 needs 'tomli' (pip install tomli), or use YAML") from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    elif path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {path} is not valid YAML: {e}") from None
-    elif path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-    else:
-        raise ValueError(f"config file {path} must end in .toml, .yaml, .yml or .json")
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
+    return read_file(resolve_config_path(path))
 
 
 def load_config(path=None, overrides=()) -> TrainConfig:
     """Defaults, then the file at ``path`` (if any), then ``overrides`` ("section.key=value" strings)."""
     cfg = TrainConfig.from_dict(read_config_file(path)) if path is not None else TrainConfig()
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} must look like section.key=value")
-        set_key(cfg, key.strip(), value, from_text=True)
+    apply_overrides(cfg, overrides)
     cfg.validate()
     return cfg
 
 
 def write_resolved(cfg: TrainConfig, gpt: GPTConfig, path) -> None:
     """The config a run actually used, model section complete, as YAML that --config reads back."""
-    import yaml
-
     from lintrans._io import atomic_write_text
 
     data = cfg.to_dict()
     data["model"] = gpt.to_dict()
-    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(path, dump(data))

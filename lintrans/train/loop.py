@@ -249,15 +249,6 @@ class _Run:
                 f"model.vocab_size ({cfg.model['vocab_size']}) is smaller than the {self.tokenizer.name} tokenizer's "
                 f"vocabulary ({self.tokenizer.vocab_size})"
             )
-        self.initial = None
-        if cfg.train.init_from:
-            self.initial = _initial_model(cfg, self.tokenizer, self.say)
-            self.gpt_config = self.initial.config
-        else:
-            self.gpt_config = cfg.gpt_config(vocab_size=padded_vocab(self.tokenizer.vocab_size))
-        self.block = self.gpt_config.block_size
-        self.total, self.micro, self.accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
-                                                          cfg.train.micro_batch_size, self.block, info.dp_size)
         if info.is_main:
             for path in ckpt.remove_abandoned(self.out_dir):
                 self.say(f"removed {path}: the unfinished save of a run that was killed")
@@ -267,10 +258,28 @@ class _Run:
                              "pick another out_dir")
         if self.found is None and cfg.train.resume == "must":
             raise ValueError(f"train.resume=must but {self.out_dir} holds no checkpoint")
-        self.saved = None
-        if self.found is not None:
-            self.saved = ckpt.read_checkpoint(self.found)
-            _check_resume(self.found, self.saved, cfg, self.gpt_config.to_dict())
+        self.saved = ckpt.read_checkpoint(self.found) if self.found is not None else None
+        self.initial = None
+        if cfg.train.init_from and self.saved is not None:
+            # resuming: the checkpoint's weights replace the initial ones, so those are not read; the
+            # model is the checkpoint's, with the config's weight-preserving keys checked against it
+            from lintrans.models.config import GPTConfig
+            from lintrans.models.hf import WEIGHT_PRESERVING
+
+            self.gpt_config = GPTConfig.from_dict(self.saved["config"]["model"])
+            expected = {k: v for k, v in cfg.model.items() if k in WEIGHT_PRESERVING}
+        elif cfg.train.init_from:
+            self.initial = _initial_model(cfg, self.tokenizer, self.say)
+            self.gpt_config = self.initial.config
+            expected = self.gpt_config.to_dict()
+        else:
+            self.gpt_config = cfg.gpt_config(vocab_size=padded_vocab(self.tokenizer.vocab_size))
+            expected = self.gpt_config.to_dict()
+        self.block = self.gpt_config.block_size
+        self.total, self.micro, self.accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
+                                                          cfg.train.micro_batch_size, self.block, info.dp_size)
+        if self.saved is not None:
+            _check_resume(self.found, self.saved, cfg, expected)
             done = self.saved["trainer_state"]["step"]
             if done >= cfg.train.max_steps:
                 self.say(f"nothing to train: the checkpoint in {self.found} is at step {done}, already at "

@@ -185,3 +185,14 @@ def test_device_cuda_without_cuda_is_one_clear_error(capsys, tmp_path):
         err = capsys.readouterr().err
         assert "is 'cuda' but no CUDA device is available" in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "ops", "--max-T", "x"], "lintrans bench: --max-T must be an int or None, got 'x'"),
+    (["bench", "ops", "--repeats", "1.5"], "lintrans bench: --repeats must be an int or None, got '1.5'"),
+    (["bench", "ops", "--profile", "huge"], "lintrans bench: --profile must be one of ['quick', 'full'], got 'huge'"),
+])
+def test_bench_flags_are_typed_by_its_options_dataclass(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert str(e.value) == message

@@ -154,3 +154,35 @@ def test_bad_input_exits_2_with_one_line(name, args, match, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("lintrans experiment: ") and match in err and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_device_reaches_the_runs_and_the_record(tmp_path, capsys):
+    assert run_cli("regression", tmp_path, "--device", "cpu", "--mechanisms", "softmax", "--seeds", "1",
+                   "--lrs", "1e-3", "--steps", "2", "--eval-every", "1") == 0
+    data = json.loads((tmp_path / "regression.json").read_text())
+    assert data["settings"]["device"] == "cpu" and data["settings"]["steps"] == 2
+    assert [r["device"] for r in data["runs"]] == ["cpu"]
+
+
+def test_device_cuda_without_cuda_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1"):
+        assert run_cli("context", tmp_path, "--device", device) == 2
+        err = capsys.readouterr().err
+        assert err == f"lintrans experiment: --device is {device!r} but no CUDA device is available\n"
+    assert run_cli("context", tmp_path, "--device", "tpu") == 2
+    assert "--device must be auto, cpu, cuda, cuda:N or mps" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_settings_flags_set_and_quick_are_typed_and_printed(tmp_path, capsys):
+    assert run_cli("recall", tmp_path, "--set", "steps=7", "--pairs", "3", "--shapes", "[[8,2]]",
+                   "--print-settings") == 0
+    out = capsys.readouterr().out
+    assert "steps: 7" in out and "pairs: 3" in out and "- - 8" in out and "quick: true" in out
+    assert "vocab_size: 64" in out  # the --quick value where nothing overrides it
+    assert run_cli("recall", tmp_path, "--steps", "2.5") == 2
+    assert capsys.readouterr().err == "lintrans experiment: --steps must be an int, got '2.5'\n"
+    assert not (tmp_path / "runs").exists()

@@ -102,7 +102,7 @@ def test_module_feature_maps_are_trainable_submodules():
     [({"form": "magic"}, ValueError, "form'\\] must be one of"),
      ({"chunk_size": 0}, ValueError, "chunk_size"),
      ({"feature_map": "elu", "feature_map_options": {"x": 1}}, ValueError, "takes no feature_map_options"),
-     ({"feature_map": 3}, TypeError, "must be a name")],
+     ({"feature_map": 3}, TypeError, "feature_map'\\] must be one of")],
 )
 def test_linear_bad_options(opts, err, match):
     with pytest.raises(err, match=match):
@@ -182,3 +182,68 @@ def test_reformer_layer_is_the_op_on_its_shared_projection_and_checks_options():
         get_attention("reformer")(cfg.replace(n_kv_head=1))
     with pytest.raises(ValueError, match="unknown attention_options"):
         get_attention("reformer")(cfg.replace(attention_options={"lookback": "chunk"}))
+
+
+# ---- typed options per mechanism ------------------------------------------------------------
+
+def _mechanisms():
+    from lintrans.nn.registry import available_attention
+
+    return available_attention()
+
+
+@pytest.mark.parametrize("name", _mechanisms())
+def test_every_mechanism_has_typed_options_and_rejects_unknown_keys(name):
+    import dataclasses
+
+    from lintrans.nn.registry import attention_options
+
+    schema = attention_options(name)
+    allowed = sorted(f.name for f in dataclasses.fields(schema))
+    n_head = 4
+    cfg = config(attention=name, n_head=n_head, block_size=64)
+    with torch.device("meta"):
+        get_attention(name)(cfg)  # the defaults build the layer
+        with pytest.raises(ValueError, match=rf"unknown attention_options \['bogus'\] for '{name}'; allowed: "
+                                             + __import__("re").escape(str(allowed))):
+            get_attention(name)(cfg.replace(attention_options={"bogus": 1}))
+
+
+@pytest.mark.parametrize("name, opts, error, match", [
+    ("linear", {"chunk_size": "64"}, TypeError, r"attention_options\['chunk_size'\] must be an int >= 1 or one of "
+                                                r"\['auto'\], got '64'"),
+    ("linear", {"chunk_size": 0}, ValueError, r"attention_options\['chunk_size'\] must be an int >= 1, got 0"),
+    ("linear", {"normalize": "yes"}, TypeError, r"attention_options\['normalize'\] must be a bool"),
+    ("linear", {"scale": "1"}, TypeError, r"attention_options\['scale'\] must be a number or None"),
+    ("linear", {"feature_map_options": [1]}, TypeError, r"attention_options\['feature_map_options'\] must be a table"),
+    ("gated-linear", {"tau": "x"}, TypeError, r"attention_options\['tau'\] must be a number"),
+    ("sliding-window", {"global_tokens": 0}, TypeError, r"attention_options\['global_tokens'\] must be a list of int"),
+    ("sliding-window", {"window": True}, TypeError, r"attention_options\['window'\] must be an int >= 1, got True"),
+    ("cosformer", {"max_len": 1.5}, TypeError, r"attention_options\['max_len'\] must be an int or None"),
+    ("bigbird", {"seed": "x"}, TypeError, r"attention_options\['seed'\] must be an int"),
+    ("reformer", {"n_hashes": 2.0}, TypeError, r"attention_options\['n_hashes'\] must be an int"),
+])
+def test_option_types_are_checked_per_mechanism(name, opts, error, match):
+    with pytest.raises(error, match=match):
+        get_attention(name)(config(attention=name, attention_options=opts))
+
+
+def test_options_keep_their_values_and_accept_ints_for_floats():
+    layer = get_attention("linear")(config(attention="linear", attention_options={"scale": 1, "chunk_size": "auto"}))
+    assert layer.options["scale"] == 1.0 and isinstance(layer.options["scale"], float)
+    assert layer.chunk_size == "auto" and layer.options["feature_map"] == "elu"
+
+
+def test_train_config_checks_the_options_of_its_mechanism(tmp_path, capsys):
+    from lintrans.cli import main
+
+    (tmp_path / "c.toml").write_text('[model]\nattention = "retention"\n[model.attention_options]\nchunk_size = "32"\n')
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "attention_options['chunk_size'] must be an int >= 1" in err and err.count("\n") == 1
+    assert main(["train", "--set", "model.attention=softmax", "--set", "model.attention_options.window=3",
+                 "--print-config"]) == 2
+    assert "unknown attention_options ['window'] for 'softmax'; allowed: []" in capsys.readouterr().err
+    assert main(["train", "--set", "model.attention=sliding-window", "--set", "model.attention_options.window=3",
+                 "--print-config"]) == 0
+    assert "window: 3" in capsys.readouterr().out

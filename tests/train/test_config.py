@@ -43,8 +43,8 @@ def test_overrides_are_typed(tmp_path):
 @pytest.mark.parametrize("override, error, match", [
     ("train.max_stepz=5", ValueError, "unknown config key 'train.max_stepz'.*max_steps"),
     ("trian.max_steps=5", ValueError, "sections are"),
-    ("train.max_steps=five", TypeError, "train.max_steps' needs an int, got 'five'"),
-    ("train.compile=maybe", TypeError, "needs a bool"),
+    ("train.max_steps=five", TypeError, "train.max_steps' must be an int, got 'five'"),
+    ("train.compile=maybe", TypeError, "must be a bool"),
     ("model.n_layer=0", ValueError, "n_layer must be an int >= 1"),
     ("model.n_headz=2", ValueError, "unknown config key 'model.n_headz'"),
     ("model.mlp=relu", ValueError, "mlp must be one of"),
@@ -63,10 +63,10 @@ def test_bad_overrides(override, error, match):
 
 def test_bad_file_values(tmp_path):
     (tmp_path / "a.toml").write_text('[train]\nmax_steps = "10"\n')
-    with pytest.raises(TypeError, match="needs an int, got '10'"):
+    with pytest.raises(TypeError, match="must be an int, got '10'"):
         load_config(tmp_path / "a.toml")
     (tmp_path / "b.yaml").write_text("train: {max_steps: true}\n")
-    with pytest.raises(TypeError, match="needs an int, got True"):
+    with pytest.raises(TypeError, match="must be an int, got True"):
         load_config(tmp_path / "b.yaml")
     (tmp_path / "c.yaml").write_text("training: {max_steps: 3}\n")
     with pytest.raises(ValueError, match="unknown config section 'training'"):

@@ -282,3 +282,23 @@ def test_fsdp_in_one_process_is_the_plain_model(tiny_config):
     fsdp = train(tiny_config("fsdp", **{"train.max_steps": 3, "train.parallel": "fsdp"}))
     assert fsdp.losses == plain.losses
     assert len(fsdp.peak_memory) == 1 and fsdp.peak_memory[0] > 2**20
+
+
+def test_resume_with_init_from_does_not_read_the_initial_weights(tiny_config, capsys):
+    import shutil
+
+    teacher = train(tiny_config("teacher", **{"train.max_steps": 2}))
+    init = teacher.out_dir.parent / "init"
+    shutil.copytree(teacher.out_dir / "checkpoint", init)
+    first = train(tiny_config("tuned", **{"train.max_steps": 4, "train.stop_after_steps": 2,
+                                          "model.attention": "linear", "train.init_from": str(init)}))
+    assert first.stopped == "stop_after" and "initial weights from" in capsys.readouterr().err
+    shutil.rmtree(init)  # resuming needs only the run's own checkpoint
+    resumed = train(tiny_config("tuned", **{"train.max_steps": 4, "model.attention": "linear",
+                                            "train.init_from": str(init)}))
+    err = capsys.readouterr().err
+    assert "initial weights from" not in err and "resuming from" in err and resumed.step == 4
+    # a weight-preserving key that disagrees with the checkpoint is still caught
+    with pytest.raises(ValueError, match="model.attention"):
+        train(tiny_config("tuned", **{"train.max_steps": 6, "model.attention": "softmax",
+                                      "train.init_from": str(init)}))
