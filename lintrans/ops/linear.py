@@ -185,16 +185,10 @@ def _gather(x: torch.Tensor, dtype: torch.dtype, columns: Optional[int] = None) 
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def _above_diagonal(c: int, device: torch.device) -> torch.Tensor:
-    """[c, c] True where key j comes after query i: the entries a causal chunk leaves out."""
-    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
-
-
 def _block_inputs(q, k, v, ld, t0: int, nb: int, c: int, cfg: _Chunked, grad: bool = False):
     """A block's features [nb, B, H, c, F], values with the normaliser column [nb, B, H, c, E] and
-    in-chunk cumulative log-decays b [nb, B|1, H, c] (or None), and with ``grad`` the feature
-    map's inputs (its graph recorded from them, for its gradient)."""
+    in-chunk cumulative log-decays b [nb|1, B|1, H, c] in base 2 (or None), and with ``grad`` the
+    feature map's inputs (its graph recorded from them, for its gradient)."""
     qb, kb = _block_view(q, t0, nb, c), _block_view(k, t0, nb, c)
     if cfg.phi is None:
         fq, fk, xq, xk = _gather(qb, cfg.dtype), _gather(kb, cfg.dtype), None, None
@@ -210,26 +204,36 @@ def _block_inputs(q, k, v, ld, t0: int, nb: int, c: int, cfg: _Chunked, grad: bo
     else:
         vb = _gather(vb, cfg.dtype, vb.shape[-1] + 1)
         vb[..., -1] = 1.0  # the normaliser column: y[..., -1] = sum_j s_ij, and the state's z
-    b = None if ld is None else _block_view(ld, t0, nb, c).cumsum(-1)
+    b = None
+    if ld is not None:  # a fixed decay (stride 0 along T) is the same in every chunk: one chunk's worth
+        b = _block_view(ld, t0, 1 if ld.stride(1) == 0 else nb, c).cumsum(-1).mul_(LOG2E)
     return fq, fk, vb, b, (xq, xk) if grad else None
 
 
+# The in-chunk cumulative log-decays are kept in base 2 (b = log2 of the decay) and every decay is
+# an exp2: the same numbers as exp of the natural logs, and exp2 is the cheaper kernel on a CPU
+LOG2E = 1.4426950408889634
+
+
 def _decays(b: torch.Tensor):
-    """From in-chunk cumulative log-decays b [nb, B|1, H, c]: exp(b_i) (the state before the chunk,
-    seen by query i), exp(b_last - b_j) (key j to the chunk's end), exp(b_last) (the whole chunk),
-    as [..., c, 1], [..., c, 1], [..., 1, 1]; every exponent <= 0."""
-    last = b[..., -1:]
-    return b.exp()[..., None], (last - b).exp_()[..., None], last.exp()[..., None]
+    """From in-chunk cumulative log2-decays b [nb|1, B|1, H, c]: 2^b_i (the state before the chunk,
+    seen by query i), 2^(b_last - b_j) (key j to the chunk's end), 2^b_last (the whole chunk), as
+    [..., c, 1], [..., c, 1], [..., 1, 1]; every exponent <= 0, all from one exp2."""
+    c = b.shape[-1]
+    e = torch.cat([b, b[..., -1:] - b], -1).exp2_()
+    return e[..., :c, None], e[..., c:, None], e[..., c - 1 : c, None]
 
 
 def _chunk_scores(fq3, fk3, b, shape):
     """Causal in-chunk scores A [nb B H, c, c]: phi(q_i) . phi(k_j) for j <= i, times
-    D_ij = exp(b_i - b_j) with a decay; returns (A, D), D None without one."""
+    D_ij = 2^(b_i - b_j) with a decay; returns (A, D), D [nb|1, B|1, H, c, c] or None."""
     A = torch.bmm(fq3, fk3.transpose(1, 2))
     if b is None:
         return A.tril_(), None
     c = b.shape[-1]
-    D = (b[..., :, None] - b[..., None, :]).masked_fill_(_above_diagonal(c, b.device), float("-inf")).exp_()
+    # b falls along the chunk, so b_i - b_j <= 0 on and below the diagonal and >= 0 above it: clamped
+    # to 0 there (exp2 of a finite number <= 0 is also much cheaper than of -inf), then cut off
+    D = (b[..., :, None] - b[..., None, :]).clamp_max_(0.0).exp2_().tril_()
     return A.view(*shape[:3], c, c).mul_(D).view(-1, c, c), D
 
 
@@ -238,38 +242,32 @@ def _lower_ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return torch.ones(n, n, dtype=dtype, device=device).tril_()
 
 
-def _scan_matrix(b, nb: int, heads: int, dtype, device) -> torch.Tensor:
-    """W with X = W Y for the recurrence X_0 = Y_0, X_m = g_{m-1} X_{m-1} + Y_m (m = 1 .. nb) over a
-    block's chunks, g the chunks' total decays: W[m, j] = g_j ... g_{m-1} for j <= m, 0 above.
-    [nb + 1, nb + 1] ones on and below the diagonal without a decay; [heads, nb + 1, nb + 1] with
-    one, from the exponents C_m - C_j <= 0 (C the cumulative chunk totals, in float64: differences
-    of long sums)."""
-    if b is None:
-        return _lower_ones(nb + 1, dtype, device)
-    C = torch.nn.functional.pad(b[..., -1].double().permute(1, 2, 0).cumsum(-1), (1, 0))  # [B|1, H, nb+1]
-    W = (C[..., :, None] - C[..., None, :]).masked_fill_(_above_diagonal(nb + 1, device), float("-inf"))
-    W = W.exp_().to(dtype)  # [B|1, H, nb+1, nb+1]: exp(C_m - C_j)
-    return W.expand(heads // W.shape[1], -1, -1, -1).reshape(heads, nb + 1, nb + 1)
+def _scan_(Y: torch.Tensor, g: Optional[torch.Tensor], reverse: bool = False) -> torch.Tensor:
+    """The recurrence across a block's chunks, in place on Y [nb + 1, B, H, F, E]:
+    Y[m + 1] += g_m Y[m] for m = 0 .. nb - 1 (the state after each chunk from the one before it
+    and the chunk's sum), or with ``reverse`` Y[m] += g_m Y[m + 1] for m = nb - 1 .. 0 (its
+    transpose, for the gradients). g [nb|1, B|1, H, 1, 1]: each chunk's total decay (<= 1), None
+    for none. nb small in-place kernels: cheaper than a matmul by an [nb + 1, nb + 1] scan matrix,
+    and only decays <= 1 are ever multiplied."""
+    nb = Y.shape[0] - 1
+    for m in range(nb - 1, -1, -1) if reverse else range(nb):
+        dst, src = (Y[m], Y[m + 1]) if reverse else (Y[m + 1], Y[m])
+        if g is None:
+            dst.add_(src)
+        else:
+            dst.addcmul_(g[m if g.shape[0] > 1 else 0], src)
+    return Y
 
 
-def _scan(W: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-    """W [nb+1, nb+1] or [B H, nb+1, nb+1] applied along the chunks of Y [nb+1, B, H, F, E]: one
-    matmul for all chunks (a loop would be one small kernel per chunk)."""
-    n1 = Y.shape[0]
-    if W.dim() == 2:
-        return (W @ Y.view(n1, -1)).view(Y.shape)
-    return torch.bmm(W, Y.view(n1, W.shape[0], -1).transpose(0, 1)).transpose(0, 1).contiguous().view(Y.shape)
-
-
-def _chunk_states(fk, vb, b, S, dec, W):
+def _chunk_states(fk, vb, b, S, dec):
     """X [nb + 1, B, H, F, E]: the state before each chunk of the block (X[0] = S) and after it."""
     nb, B, H, c, Fd = fk.shape
     E = vb.shape[-1]
-    Y = fk.new_empty(nb + 1, B, H, Fd, E)
-    Y[0] = S
+    X = fk.new_empty(nb + 1, B, H, Fd, E)
+    X[0] = S
     kd = fk if b is None else fk * dec[1]  # each key decayed to its chunk's end
-    torch.bmm(kd.view(-1, c, Fd).transpose(1, 2), vb.view(-1, c, E), out=Y[1:].view(-1, Fd, E))  # chunk sums
-    return _scan(W, Y), kd  # X[m+1] = g_m X[m] + P_m
+    torch.bmm(kd.view(-1, c, Fd).transpose(1, 2), vb.view(-1, c, E), out=X[1:].view(-1, Fd, E))  # chunk sums
+    return _scan_(X, None if b is None else dec[2]), kd  # X[m+1] = g_m X[m] + P_m
 
 
 class _Block(NamedTuple):
@@ -278,73 +276,76 @@ class _Block(NamedTuple):
     fq: torch.Tensor  # [nb, B, H, c, F] features
     fk: torch.Tensor
     vb: torch.Tensor  # [nb, B, H, c, E] values and the normaliser column
-    b: Optional[torch.Tensor]  # [nb, B|1, H, c] in-chunk cumulative log-decays, or None
+    b: Optional[torch.Tensor]  # [nb|1, B|1, H, c] in-chunk cumulative log-decays, or None
     dec: Optional[tuple]  # _decays(b)
-    W: torch.Tensor  # _scan_matrix: the chunk-to-chunk recurrence
     X: torch.Tensor  # [nb + 1, B, H, F, E] the state before each chunk, and after the last
-    qd: torch.Tensor  # fq (and fk) times their decays, or fq (fk) themselves
-    kd: torch.Tensor
+    kd: torch.Tensor  # fk decayed to its chunk's end, or fk itself
     A: torch.Tensor  # [nb B H, c, c] causal (decayed) scores
-    D: Optional[torch.Tensor]  # [nb, B|1, H, c, c] the in-chunk decays, or None
+    D: Optional[torch.Tensor]  # [nb|1, B|1, H, c, c] the in-chunk decays, or None
 
 
 def _block(fq, fk, vb, b, S) -> _Block:
     """A block's chunk states and scores from its inputs and the state S before it."""
-    nb, B, H, c, Fd = fq.shape
+    c, Fd = fq.shape[-2:]
     dec = None if b is None else _decays(b)
-    W = _scan_matrix(b, nb, B * H, fq.dtype, fq.device)
-    X, kd = _chunk_states(fk, vb, b, S, dec, W)
-    qd = fq if b is None else fq * dec[0]
+    X, kd = _chunk_states(fk, vb, b, S, dec)
     A, D = _chunk_scores(fq.view(-1, c, Fd), fk.view(-1, c, Fd), b, fq.shape)
-    return _Block(fq, fk, vb, b, dec, W, X, qd, kd, A, D)
+    return _Block(fq, fk, vb, b, dec, X, kd, A, D)
 
 
 def _block_output(blk: _Block) -> torch.Tensor:
     """y [nb, B, H, c, E]: what the earlier chunks' state gives, plus the chunk's own scores."""
     nb, B, H, c, Fd = blk.fq.shape
     E = blk.vb.shape[-1]
-    y = torch.bmm(blk.qd.view(-1, c, Fd), blk.X[:-1].view(-1, Fd, E))
+    y = torch.bmm(blk.fq.view(-1, c, Fd), blk.X[:-1].view(-1, Fd, E))
+    if blk.b is not None:  # the state as query i sees it: decayed by 2^b_i (its rows, in place)
+        y.view(nb, B, H, c, E).mul_(blk.dec[0])
     return y.baddbmm_(blk.A, blk.vb.view(-1, c, E)).view(nb, B, H, c, E)
 
 
 def _block_backward(blk: _Block, dy, dS, need_db: bool):
-    """Gradients of a block: (d fq, d fk, d vb, d ld) given dy and dS, the gradient reaching the
-    state after the block; dS becomes (in place) the gradient reaching the state before it."""
-    fq, fk, vb, b, dec, W, X, qd, kd, A, D = blk
+    """Gradients of a block: (d fq, d fk, d vb, d ld) given dy (overwritten) and dS, the gradient
+    reaching the state after the block; dS becomes (in place) the gradient reaching the state
+    before it."""
+    fq, fk, vb, b, dec, X, kd, A, D = blk
     nb, B, H, c, Fd = fq.shape
     E = vb.shape[-1]
     q3, k3, v3, dy3 = fq.view(-1, c, Fd), fk.view(-1, c, Fd), vb.view(-1, c, E), dy.view(-1, c, E)
-    # G[m]: the gradient reaching X[m]; G[nb] = dS, G[m] = qd_m^T dy_m + g_m G[m+1]: the transposed scan
+    dA = torch.bmm(dy3, v3.transpose(1, 2))  # [nb B H, c, c]
+    dv = torch.bmm(A.transpose(1, 2), dy3)
+    if b is not None:  # from here on, the gradient of the state's part of y before its decay 2^b_i
+        dy.mul_(dec[0])
+    # G[m]: the gradient reaching X[m]; G[nb] = dS, G[m] = fq_m^T dy_m + g_m G[m+1]: the transposed scan
     G = fq.new_empty(nb + 1, B, H, Fd, E)
     G[nb] = dS
-    torch.bmm(qd.view(-1, c, Fd).transpose(1, 2), dy3, out=G[:-1].view(-1, Fd, E))
-    G = _scan(W.transpose(-1, -2), G)
+    torch.bmm(q3.transpose(1, 2), dy3, out=G[:-1].view(-1, Fd, E))
+    G = _scan_(G, None if b is None else dec[2], reverse=True)
     dS.copy_(G[0])
     dP3 = G[1:].view(-1, Fd, E)  # the gradient of each chunk's sum
-    dA = torch.bmm(dy3, v3.transpose(1, 2))  # [nb B H, c, c]
-    dv = torch.bmm(kd.view(-1, c, Fd), dP3).baddbmm_(A.transpose(1, 2), dy3)
-    dq = torch.bmm(dy3, X[:-1].view(-1, Fd, E).transpose(1, 2))  # d qd
+    dv.baddbmm_(kd.view(-1, c, Fd), dP3)
+    dq = torch.bmm(dy3, X[:-1].view(-1, Fd, E).transpose(1, 2))
     dk = torch.bmm(v3, dP3.transpose(1, 2))  # d kd
-    db = None
     if b is None:
         dA.tril_()
     else:
-        dq5, dk5 = dq.view(fq.shape), dk.view(fq.shape)
-        if need_db:  # each exponent's gradient, then b's, then ld's (b = cumsum(ld))
-            G2 = (dA * A).view(nb, B, H, c, c)  # of b_i - b_j
-            k_term = torch.linalg.vecdot(dk5, kd)  # of b_last - b_j
-            db = G2.sum(-1) - G2.sum(-2) + torch.linalg.vecdot(dq5, qd) - k_term
-            d_last = k_term.sum(-1) + torch.linalg.vecdot(G[1:].flatten(-2), X[:-1].flatten(-2)) * dec[2][..., 0, 0]
-            if b.shape[1] != B:  # a decay shared by the batch
-                db, d_last = db.sum(1, keepdim=True), d_last.sum(1, keepdim=True)
-            # ld_t's gradient: every db_i with i >= t (one matmul), and b_last's
-            db = torch.matmul(db, _lower_ones(c, db.dtype, db.device)).add_(d_last[..., None])
         dA.view(nb, B, H, c, c).mul_(D)  # the gradient of the undecayed scores
-        dq5.mul_(dec[0])
-        dk5.mul_(dec[1])
+        dk.view(fq.shape).mul_(dec[1])
     dq.baddbmm_(dA, k3)
     dk.baddbmm_(dA.transpose(1, 2), q3)
-    return dq.view(fq.shape), dk.view(fq.shape), dv.view(vb.shape), db
+    dq, dk = dq.view(fq.shape), dk.view(fq.shape)
+    db = None
+    if need_db:
+        # b_i (in nats here) enters only as phi(q_i) e^{b_i} and phi(k_i) e^{-b_i} (every exponent is
+        # such a sum), and b_last besides as the factor e^{b_last} of the whole state after the chunk;
+        # so b's gradient is <phi(q_i), d phi(q_i)> - <phi(k_i), d phi(k_i)>, plus <G[m+1], X[m+1]>
+        # for b_last
+        db = (fq * dq).addcmul_(fk, dk, value=-1).sum(-1)  # [nb, B, H, c]
+        d_last = torch.linalg.vecdot(G[1:].flatten(-2), X[1:].flatten(-2))  # [nb, B, H]
+        if b.shape[1] != B:  # a decay shared by the batch
+            db, d_last = db.sum(1, keepdim=True), d_last.sum(1, keepdim=True)
+        # ld_t's gradient: every db_i with i >= t (one matmul), and b_last's
+        db = torch.matmul(db, _lower_ones(c, db.dtype, db.device)).add_(d_last[..., None])
+    return dq, dk, dv.view(vb.shape), db
 
 
 def _without_autocast(fn):
