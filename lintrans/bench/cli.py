@@ -36,6 +36,7 @@ class Profile:
     forms: tuple[str, ...]
     caps: Caps
     ops_only: Optional[list[str]] = None
+    decoders: tuple[str, ...] = ("softmax", "linear")
     mechanisms: tuple[str, ...] = ()  # other attention names for train, e.g. gated-linear
     notes: dict = field(default_factory=dict)
 
@@ -62,6 +63,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="quick", choices=["quick", "full"])
     p.add_argument("--out", type=Path, default=None, help="write JSON/CSV/MD/PNG into this folder")
     p.add_argument("--max-T", type=int, default=None, help="longest context to try (overrides the profile)")
+    p.add_argument("--T", type=int, nargs="+", default=None, dest="contexts", metavar="T",
+                   help="exactly these contexts instead of the powers of two up to --max-T")
+    p.add_argument("--decoders", nargs="+", default=None, choices=["softmax", "linear"],
+                   help="generate: which caches to decode with (default both)")
     p.add_argument("--time-cap", type=float, default=None, help="seconds per step past which a curve stops")
     p.add_argument("--memory-cap-gb", type=float, default=None,
                    help="predicted peak past which a curve stops (default: half the available memory)")
@@ -142,8 +147,9 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     else:
         from .generate import run_generate
 
-        bar = Progress(2 * len(prof.generate_T), "generate")
-        points = run_generate(prof.generate_T, prof.caps, size=prof.sizes[0], device=device, on_point=bar)
+        bar = Progress(len(prof.decoders) * len(prof.generate_T), "generate")
+        points = run_generate(prof.generate_T, prof.caps, size=prof.sizes[0], device=device, on_point=bar,
+                              decoders=prof.decoders)
         title = f"time per generated token, GPT {prof.sizes[0]}, after a prefill of T tokens"
         comparisons = [("linear state", "softmax KV cache")]
     bar.close()
@@ -158,6 +164,10 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
         lines += [line for s in prof.sizes if (line := floor_line(rows, f"{s} softmax (SDPA)", f"{s} linear chunked",
                                                                   f"{s} {FLOOR}"))]
+    if which == "generate":
+        from .generate import decode_lines
+
+        lines += decode_lines(rows, prof.sizes[0])
     print(f"\n== {which}: {title}  [{time.perf_counter() - t0:.0f}s]")
     print("time per step, ms (s where marked):")
     print(table(rows, "time_s"))
@@ -212,6 +222,14 @@ def build_profile(args) -> Profile:
         prof.ops_T = powers_of_two(256, args.max_T)
         prof.train_T = powers_of_two(256, args.max_T)
         prof.generate_T = powers_of_two(256, args.max_T)
+    if getattr(args, "contexts", None):
+        if args.max_T is not None:
+            raise SystemExit("lintrans bench: give --T or --max-T, not both")
+        if min(args.contexts) < 1:
+            raise SystemExit(f"lintrans bench: --T must be >= 1, got {args.contexts}")
+        prof.ops_T = prof.train_T = prof.generate_T = sorted(set(args.contexts))
+    if getattr(args, "decoders", None):
+        prof.decoders = tuple(dict.fromkeys(args.decoders))
     if args.time_cap:
         prof.caps.time_s = args.time_cap
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2
