@@ -200,6 +200,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         if (warning := noise_warning(info)) is not None:
             print(warning, file=sys.stderr)
         result["noise_warning"] = warning
+        result["machine"] = info
     return result
 
 

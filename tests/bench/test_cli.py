@@ -36,6 +36,9 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
     assert main(["bench", "ops", "--max-T", "256", "--ops", "chunked", "softmax", "--out", str(out)]) == 0
     data = json.loads((out / "ops.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked", "linear chunked gated"}
+    # the tuned chunk (the fastest "measured" here: 32) is recorded where the FLOP count depends on it
+    assert {r["series"]: r.get("chunk_size") for r in data["rows"]} == {
+        "softmax (SDPA)": None, "linear chunked": 32, "linear chunked gated": 32}
     assert [(s["fast"], s["slow"]) for s in data["speedups"]] == [
         ("linear chunked", "softmax (SDPA)"), ("linear chunked gated", "linear chunked"),
         ("linear chunked gated", "softmax (SDPA)")]
@@ -237,3 +240,15 @@ def test_bench_generate_at_chosen_contexts_with_one_decoder(tmp_path, capsys):
     kv, state = 2 * 4 * 2 * 64 * 96 * 4, 4 * 2 * 64 * 65 * 4
     assert all(r["cache_bytes"] == state for r in data["rows"])
     assert f"({kv / state:.0f}x)" in data["headline"] and "ms per token at T = 96" in data["headline"]
+
+
+def test_demo_states_the_chunked_ops_share_of_the_probe():
+    from lintrans.bench.demo import op_share_line
+
+    rows = [{"series": "linear chunked", "T": T, "status": "ok", "time_s": t, "chunk_size": 64}
+            for T, t in ((4096, 0.05), (8192, 0.1))]
+    line = op_share_line({"rows": rows, "machine": {"matmul_gflops_best": 150.0}})
+    flops = 3 * (4 * 8 * 8192 * 64 * 65 + 2 * 8 * 128 * 64 * 64 * 129)  # c = 64, F = 64, E = 65
+    assert line.startswith("chunked op at T = 8192: 100 ms")
+    assert f"{flops / 0.1 / 1e9:.0f} GFLOP/s" in line and f"{100 * flops / 0.1 / 150e9:.0f}% of the matmul probe" in line
+    assert op_share_line({"rows": rows, "machine": {}}) is None
