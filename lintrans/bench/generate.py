@@ -69,11 +69,12 @@ def decode_lines(rows: list[dict], size: str) -> list[str]:
 
     lines = []
     for name in DECODERS.values():
-        ok = sorted((r["T"], r["time_s"]) for r in rows if r["series"] == name and r["status"] == "ok")
+        ok = sorted((r["T"], r["time_s"], r.get("cpu_s")) for r in rows if r["series"] == name and r["status"] == "ok")
         if len(ok) >= 2:
-            (T0, t0), (T1, t1) = ok[0], ok[-1]
+            (T0, t0, c0), (T1, t1, c1) = ok[0], ok[-1]
+            cpu = f"; process CPU time {c1 * 1e3:.2f} ms and {c0 * 1e3:.2f} ms ({c1 / c0:.2f}x)" if c0 and c1 else ""
             lines.append(f"{name}: {t1 * 1e3:.2f} ms per token at T = {T1}, {t0 * 1e3:.2f} ms at T = {T0} "
-                         f"({t1 / t0:.2f}x)")
+                         f"({t1 / t0:.2f}x){cpu}")
     Ts = [r["T"] for r in rows if r["status"] == "ok"]
     if Ts:
         T = max(Ts)

@@ -240,6 +240,9 @@ def test_bench_generate_at_chosen_contexts_with_one_decoder(tmp_path, capsys):
     kv, state = 2 * 4 * 2 * 64 * 96 * 4, 4 * 2 * 64 * 65 * 4
     assert all(r["cache_bytes"] == state for r in data["rows"])
     assert f"({kv / state:.0f}x)" in data["headline"] and "ms per token at T = 96" in data["headline"]
+    # every timed repeat's process CPU time beside its wall time, the least as cpu_s
+    assert all(len(r["cpu_times_s"]) == len(r["times_s"]) and r["cpu_s"] == min(r["cpu_times_s"]) for r in data["rows"])
+    assert "process CPU time" in data["headline"]
 
 
 def test_demo_states_the_chunked_ops_share_of_the_probe():
