@@ -6,6 +6,7 @@ writes ``<out>/<name>.json`` (rows + machine + settings), ``.csv``, ``.md`` and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
         info = {**machine_info(device), **matmul_probe(device=device)}  # the speed it ran at, just after
         meta = {"benchmark": which, "title": title, "machine": info, "caps": prof.caps.__dict__,
+                "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": _load_average(),
                 "headline": result["headline"], "speedups": speedups,
                 "memory_method": "peak RSS rise during one step (VmHWM after clear_refs; malloc mmap threshold 128 KiB)"}
         paths = write_results(out, which, rows, meta)
@@ -202,6 +204,14 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         result["noise_warning"] = warning
         result["machine"] = info
     return result
+
+
+def _load_average() -> Optional[list]:
+    """The machine's load average at the end of a record (1, 5, 15 minutes): how shared it was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def build_profile(args) -> Profile:

@@ -43,6 +43,7 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
         ("linear chunked", "softmax (SDPA)"), ("linear chunked gated", "linear chunked"),
         ("linear chunked gated", "softmax (SDPA)")]
     assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0
+    assert len(data["load_average"]) == 3 and data["date"].startswith("20")  # how shared the machine was, when
     m = data["machine"]  # the matmul speed the run ended at, for comparing records across days
     assert m["matmul_gflops_best"] >= m["matmul_gflops_median"] > 0 and m["matmul_slowest_over_fastest"] >= 1
 

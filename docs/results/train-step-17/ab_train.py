@@ -9,7 +9,8 @@ AdamW; batch 1, vocabulary 50257), with the chunked form at a fixed chunk size. 
 built, warmed up once, then stepped in turn (A B A B ...); the fastest repeat of each is kept, with
 the process CPU time and page faults of that repeat, and the least CPU time of any repeat (with
 ``--threads 1`` that is the work, whatever else runs on the machine). A matmul probe runs before and after.
-``--profile`` instead runs torch.profiler over one step of each and prints the operators that
+``--layer`` times one attention layer instead of the whole step (its difference times the number
+of layers is what the series adds to the floor's step). ``--profile`` instead runs torch.profiler over one step of each and prints the operators that
 take the most self CPU time, side by side.
 """
 from __future__ import annotations
@@ -29,9 +30,26 @@ from lintrans.bench.train import gpt_config, make_train_step
 SERIES = {"chunked": ("linear", "chunked"), "floor": ("none", None), "softmax": ("softmax", None)}
 
 
-def build(size: str, T: int, series: str, chunk: int):
+def build(size: str, T: int, series: str, chunk: int, layer: bool = False):
     attention, form = SERIES[series]
-    return make_train_step(gpt_config(size, T, attention, form, chunk), T)
+    config = gpt_config(size, T, attention, form, chunk)
+    if not layer:
+        return make_train_step(config, T)
+    from lintrans.nn.registry import get_attention
+
+    # one attention layer alone, forward + backward: what the series adds to the floor, per layer
+    torch.manual_seed(0)
+    module = get_attention(attention)(config)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(1, T, config.n_embd, generator=g).requires_grad_()
+    grad = torch.randn(1, T, config.n_embd, generator=g)
+
+    def step():
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        module(x)[0].backward(grad)
+
+    return step
 
 
 def profile(steps: dict, top: int) -> None:
@@ -64,6 +82,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--profile", action="store_true", help="profile one step of each instead of timing")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--layer", action="store_true",
+                   help="time one attention layer (c_attn, the mixing, c_proj; forward + backward) instead of the step")
     p.add_argument("--out", default=None, help="append the results as a JSON line to this file")
     args = p.parse_args()
     if args.threads:
@@ -73,7 +93,7 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = []
     for T in args.T:
-        steps = {n: build(size, T, n, args.chunk) for n in args.series}
+        steps = {n: build(size, T, n, args.chunk, args.layer) for n in args.series}
         for s in steps.values():
             s()  # warm-up: AdamW state, thread pool, allocator
         if args.profile:
@@ -92,7 +112,7 @@ def main() -> None:
         for n in steps:
             best = min(times[n])
             i = times[n].index(best)
-            rows.append({"size": size, "T": T, "series": n, "time_s": best, "times_s": times[n],
+            rows.append({"size": size, "T": T, "series": n, "layer": args.layer, "time_s": best, "times_s": times[n],
                          "cpu_s": cpu[n][i], "cpu_min_s": min(cpu[n]), "cpus_s": cpu[n],
                          "minor_faults": faults[n][i]})
         floor = (min(times["floor"]), min(cpu["floor"])) if "floor" in times else None
