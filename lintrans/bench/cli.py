@@ -6,6 +6,7 @@ writes ``<out>/<name>.json`` (rows + machine + settings), ``.csv``, ``.md`` and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class Profile:
     forms: tuple[str, ...]
     caps: Caps
     ops_only: Optional[list[str]] = None
+    decoders: tuple[str, ...] = ("softmax", "linear")
     mechanisms: tuple[str, ...] = ()  # other attention names for train, e.g. gated-linear
     notes: dict = field(default_factory=dict)
 
@@ -64,6 +66,10 @@ class BenchOptions:
     profile: str = field(default="quick", metadata={"choices": ("quick", "full")})
     out: Optional[str] = field(default=None, metadata={"help": "write JSON/CSV/MD/PNG into this folder"})
     max_T: Optional[int] = field(default=None, metadata={"help": "longest context to try (overrides the profile)"})
+    T: Optional[list[int]] = field(default=None, metadata={
+        "help": "exactly these contexts instead of the powers of two up to --max-T"})
+    decoders: Optional[list[str]] = field(default=None, metadata={
+        "help": "generate: which caches to decode with, softmax and/or linear (default both)"})
     time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops"})
     memory_cap_gb: Optional[float] = field(default=None, metadata={
         "help": "predicted peak past which a curve stops (default: half the available memory)"})
@@ -154,8 +160,9 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     else:
         from .generate import run_generate
 
-        bar = Progress(2 * len(prof.generate_T), "generate")
-        points = run_generate(prof.generate_T, prof.caps, size=prof.sizes[0], device=device, on_point=bar)
+        bar = Progress(len(prof.decoders) * len(prof.generate_T), "generate")
+        points = run_generate(prof.generate_T, prof.caps, size=prof.sizes[0], device=device, on_point=bar,
+                              decoders=prof.decoders)
         title = f"time per generated token, GPT {prof.sizes[0]}, after a prefill of T tokens"
         comparisons = [("linear state", "softmax KV cache")]
     bar.close()
@@ -170,6 +177,10 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
         lines += [line for s in prof.sizes if (line := floor_line(rows, f"{s} softmax (SDPA)", f"{s} linear chunked",
                                                                   f"{s} {FLOOR}"))]
+    if which == "generate":
+        from .generate import decode_lines
+
+        lines += decode_lines(rows, prof.sizes[0])
     print(f"\n== {which}: {title}  [{time.perf_counter() - t0:.0f}s]")
     print("time per step, ms (s where marked):")
     print(table(rows, "time_s"))
@@ -187,6 +198,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
         info = {**machine_info(device), **matmul_probe(device=device)}  # the speed it ran at, just after
         meta = {"benchmark": which, "title": title, "machine": info, "caps": prof.caps.__dict__,
+                "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": _load_average(),
                 "headline": result["headline"], "speedups": speedups,
                 "memory_method": "peak RSS rise during one step (VmHWM after clear_refs; malloc mmap threshold 128 KiB)"}
         paths = write_results(out, which, rows, meta)
@@ -202,7 +214,16 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         if (warning := noise_warning(info)) is not None:
             print(warning, file=sys.stderr)
         result["noise_warning"] = warning
+        result["machine"] = info
     return result
+
+
+def _load_average() -> Optional[list]:
+    """The machine's load average at the end of a record (1, 5, 15 minutes): how shared it was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def build_profile(args: BenchOptions) -> Profile:
@@ -225,6 +246,17 @@ def build_profile(args: BenchOptions) -> Profile:
         prof.ops_T = powers_of_two(256, args.max_T)
         prof.train_T = powers_of_two(256, args.max_T)
         prof.generate_T = powers_of_two(256, args.max_T)
+    if args.T:
+        if args.max_T is not None:
+            raise SystemExit("lintrans bench: give --T or --max-T, not both")
+        if min(args.T) < 1:
+            raise SystemExit(f"lintrans bench: --T must be >= 1, got {args.T}")
+        prof.ops_T = prof.train_T = prof.generate_T = sorted(set(args.T))
+    if args.decoders:
+        bad = [d for d in args.decoders if d not in ("softmax", "linear")]
+        if bad:
+            raise SystemExit(f"lintrans bench: --decoders must be among ['softmax', 'linear'], got {bad[0]!r}")
+        prof.decoders = tuple(dict.fromkeys(args.decoders))
     if args.time_cap:
         prof.caps.time_s = args.time_cap
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2

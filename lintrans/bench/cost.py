@@ -193,6 +193,12 @@ def arithmetic_intensity(m: ModelShape, T: int, B: int = 1, dtype: str = "float3
     }
 
 
+def op_training_flops(m: ModelShape, T: int, B: int = 1) -> float:
+    """Forward + backward FLOPs of one layer's attention op on [B, T, N, h] (3x its forward, as for
+    the whole step): what a measured op time (``bench ops``, ``lintrans cost --op-time``) divides."""
+    return 3 * attention_core_flops(ModelShape(**{**m.__dict__, "n_layer": 1}), T, B)
+
+
 def mfu(flops: float, step_time_s: float, peak_flops: float) -> float:
     """Model FLOP utilisation: achieved FLOP/s over the machine's measured peak."""
     if step_time_s <= 0 or peak_flops <= 0:

@@ -7,8 +7,8 @@ import math
 import sys
 
 from .cost import (
-    ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
-    speedup_bounds, training_flops,
+    ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, op_training_flops,
+    parameters, speedup_bounds, training_flops,
 )
 from .sizes import SIZES, VOCAB, resolve_size
 
@@ -33,6 +33,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="measured seconds per training step, one per --T (softmax model): prints MFU")
     p.add_argument("--linear-step-time", type=float, nargs="+", default=None, help="the same for the linear model")
     p.add_argument("--peak-tflops", type=float, default=None, help="skip measuring the matmul peak")
+    op = p.add_mutually_exclusive_group()
+    op.add_argument("--op-time", type=float, nargs="+", default=None,
+                    help="measured seconds of the linear attention op, forward + backward on [batch, T, n-head, "
+                         "head dim], one per --T: prints its share of the matmul probe")
+    op.add_argument("--measure-op", action="store_true",
+                    help="time that op here (fastest of --op-repeats) and the matmul probe beside it")
+    p.add_argument("--op-repeats", type=int, default=5, help="timed repeats of the op with --measure-op")
+    p.add_argument("--probe-gflops", type=float, default=None,
+                   help="the matmul probe's GFLOP/s (1024-square float32, as `lintrans bench` records it) "
+                        "to divide by, instead of measuring it in this run")
 
 
 def _g(x: float) -> str:
@@ -62,7 +72,7 @@ def _check(args) -> None:
         raise ValueError(f"--n-kv-head must be >= 1 and divide --n-head ({args.n_head}), got {args.n_kv_head}")
     if min(args.T) < 1:
         raise ValueError(f"--T must be >= 1, got {args.T}")
-    for flag in ("step_time", "linear_step_time"):
+    for flag in ("step_time", "linear_step_time", "op_time"):
         times = getattr(args, flag)
         if times is None:
             continue
@@ -70,8 +80,12 @@ def _check(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} needs one time per --T ({len(args.T)}), got {len(times)}")
         if not all(math.isfinite(t) and t > 0 for t in times):
             raise ValueError(f"--{flag.replace('_', '-')} must be positive seconds, got {times}")
-    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
-        raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    for flag in ("peak_tflops", "probe_gflops"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.op_repeats < 1:
+        raise ValueError(f"--op-repeats must be >= 1, got {args.op_repeats}")
 
 
 def run(args) -> int:
@@ -137,4 +151,47 @@ def run(args) -> int:
                 print(f"  {name} T={T}: {_g(f / t)}FLOP/s achieved, MFU {100 * u:.1f}%"
                       + ("  <- above 100%: this step time cannot come from a machine with this peak (was it "
                          "measured elsewhere? pass that machine's --peak-tflops)" if u > 1 else ""))
+    if args.op_time or args.measure_op:
+        op_share(args, lin)
     return 0
+
+
+def measure_op(args, T: int) -> float:
+    """Seconds of the linear op, forward + backward on [batch, T, n-head, head dim], fastest of
+    ``--op-repeats`` after a warm-up (other jobs on the machine only ever add time)."""
+    from lintrans.ops import linear_attention
+
+    from .measure import time_step
+    from .ops import make_op_step
+
+    def fn(q, k, v):
+        return linear_attention(q, k, v, form=args.form, feature_map=args.feature_map, chunk_size=args.chunk_size)[0]
+
+    step = make_op_step(fn, T, B=args.batch, H=args.n_head, D=args.n_embd // args.n_head)
+    step()
+    return min(time_step(step) for _ in range(args.op_repeats))
+
+
+def op_share(args, lin: ModelShape) -> None:
+    """The op's achieved FLOP/s (FLOPs as this model counts its form) as a share of the matmul probe,
+    the probe passed in or measured in this run, right after the op."""
+    import os
+
+    from .machine import matmul_probe
+
+    h = args.n_embd // args.n_head
+    print(f"\nattention op, {args.form} ({args.feature_map}, c={args.chunk_size}), forward + backward on "
+          f"[{args.batch}, T, {args.n_head}, {h}]"
+          + (f" (measured here, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')})"
+             if args.measure_op else "") + ":")
+    times = args.op_time or [measure_op(args, T) for T in args.T]
+    if args.probe_gflops:
+        probe, where = args.probe_gflops * 1e9, "passed in"
+    else:
+        p = matmul_probe()
+        probe, where = p["matmul_gflops_best"] * 1e9, f"measured now, best; median {p['matmul_gflops_median']:.0f}"
+    print(f"  matmul probe (1024-square float32): {probe / 1e9:.0f} GFLOP/s ({where})")
+    for T, t in zip(args.T, times):
+        f = op_training_flops(lin, T, args.batch)
+        share = mfu(f, t, probe)
+        print(f"  T={T}: {_g(f)}FLOP in {t * 1e3:.1f} ms = {_g(f / t)}FLOP/s, {100 * share:.1f}% of the probe")

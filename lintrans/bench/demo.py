@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Optional
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -46,6 +47,23 @@ def _say(name: str, s: dict, verb: str) -> None:
               f"linear reached T = {s['fast_longest_T']}.")
 
 
+def op_share_line(ops: dict) -> Optional[str]:
+    """The chunked op at the longest T it reached: its FLOPs (as ``lintrans cost`` counts the chunked
+    form) per second, as a share of the matmul probe taken at the end of the same record."""
+    from .cost import ModelShape, op_training_flops
+
+    probe = (ops.get("machine") or {}).get("matmul_gflops_best")
+    ok = [r for r in ops["rows"] if r["series"] == "linear chunked" and r["status"] == "ok"]
+    if not probe or not ok:
+        return None
+    r = max(ok, key=lambda r: r["T"])
+    shape = ModelShape(n_layer=1, n_head=8, n_embd=512, attention="linear", form="chunked",
+                       chunk_size=r.get("chunk_size") or 64)
+    rate = op_training_flops(shape, r["T"]) / r["time_s"]
+    return (f"chunked op at T = {r['T']}: {r['time_s'] * 1e3:.0f} ms, {rate / 1e9:.0f} GFLOP/s as `lintrans cost` "
+            f"counts it, {100 * rate / (probe * 1e9):.0f}% of the matmul probe ({probe:.0f} GFLOP/s, same run)")
+
+
 def run(args) -> int:
     from .cli import powers_of_two, profiles, run_benchmark
     from .sizes import resolve_size
@@ -76,6 +94,8 @@ def run(args) -> int:
 
     print("\n" + "=" * 80)
     _say("attention op (fwd + bwd, H=8, D=64)", ops["speedups"][0], "runs")
+    if (line := op_share_line(ops)) is not None:
+        print("  " + line)
     _say(f"GPT {args.size} training step (vocab 50257, batch 1)", train["speedups"][0], "trains")
     for line in train["lines"][len(train["speedups"]):]:  # the no-mixing floor: what any attention could gain
         print("  " + line + ".")

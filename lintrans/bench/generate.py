@@ -47,8 +47,40 @@ def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str 
     return step, extra
 
 
-def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str = "cpu", on_point=None) -> list[Point]:
+DECODERS = {"softmax": "softmax KV cache", "linear": "linear state"}  # attention -> series name
+
+
+def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str = "cpu", on_point=None,
+                 decoders=tuple(DECODERS)) -> list[Point]:
+    """``decoders``: which of softmax and linear to run (the softmax prefill of a long context with a
+    large model takes minutes; its cache is in ``decode_lines`` from the cost model either way)."""
     max_T = max(Ts)
-    series = [Series(name, lambda T, a=attention: make_decode_step(size, T, a, max_T, device), measure_memory=False)
-              for name, attention in (("softmax KV cache", "softmax"), ("linear state", "linear"))]
+    series = [Series(DECODERS[a], lambda T, a=a: make_decode_step(size, T, a, max_T, device), measure_memory=False)
+              for a in DECODERS if a in decoders]
     return sweep_side_by_side(series, Ts, caps, device=device, on_point=on_point)
+
+
+def decode_lines(rows: list[dict], size: str) -> list[str]:
+    """Per decoder: time per token at the longest context over the shortest; and what decoding keeps
+    there, the softmax KV cache against the linear state (the cost model's bytes, which the
+    measured ``cache_bytes`` equal)."""
+    from .cost import ModelShape, cache_bytes
+    from .sizes import SIZES, VOCAB
+
+    lines = []
+    for name in DECODERS.values():
+        ok = sorted((r["T"], r["time_s"], r.get("cpu_s")) for r in rows if r["series"] == name and r["status"] == "ok")
+        if len(ok) >= 2:
+            (T0, t0, c0), (T1, t1, c1) = ok[0], ok[-1]
+            cpu = f"; process CPU time {c1 * 1e3:.2f} ms and {c0 * 1e3:.2f} ms ({c1 / c0:.2f}x)" if c0 and c1 else ""
+            lines.append(f"{name}: {t1 * 1e3:.2f} ms per token at T = {T1}, {t0 * 1e3:.2f} ms at T = {T0} "
+                         f"({t1 / t0:.2f}x){cpu}")
+    Ts = [r["T"] for r in rows if r["status"] == "ok"]
+    if Ts:
+        T = max(Ts)
+        L, N, D = SIZES[size]
+        common = dict(n_layer=L, n_head=N, n_embd=D, vocab_size=VOCAB, block_size=T + 256)
+        kv, state = cache_bytes(ModelShape(**common), T), cache_bytes(ModelShape(**common, attention="linear"), T)
+        lines.append(f"at T = {T} the softmax KV cache holds {kv / 2**20:.1f} MiB, the linear state "
+                     f"{state / 2**20:.2f} MiB ({kv / state:.0f}x)")
+    return lines

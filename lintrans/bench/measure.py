@@ -80,13 +80,18 @@ def peak_memory(fn: Callable[[], object], device: str = "cpu") -> Optional[int]:
         timing_malloc()
 
 
-def time_step(fn: Callable[[], object], *, device: str = "cpu") -> float:
-    """Seconds of one call of ``fn`` (already warmed up), the device's queue drained on both sides."""
+def time_step(fn: Callable[[], object], *, device: str = "cpu", cpu: Optional[list] = None) -> float:
+    """Seconds of one call of ``fn`` (already warmed up), the device's queue drained on both sides.
+    ``cpu``: a list to append the process CPU seconds of the call to (with one thread, the work
+    itself, whatever else runs on the machine)."""
     synchronize(device)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
     synchronize(device)
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
+    return t
 
 
 class StepTimeout(Exception):
@@ -137,12 +142,14 @@ class Point:
     status: str = "ok"  # ok | time cap | memory cap | oom | error: ...
     time_s: Optional[float] = None
     times_s: list = field(default_factory=list)
+    cpu_times_s: list = field(default_factory=list)  # process CPU seconds of each timed repeat
     peak_bytes: Optional[int] = None
     extra: dict = field(default_factory=dict)
 
     def row(self) -> dict:
+        cpu = {"cpu_s": min(self.cpu_times_s), "cpu_times_s": self.cpu_times_s} if self.cpu_times_s else {}
         return {"series": self.series, "T": self.T, "status": self.status, "time_s": self.time_s,
-                "times_s": self.times_s, "peak_bytes": self.peak_bytes, **self.extra}
+                "times_s": self.times_s, "peak_bytes": self.peak_bytes, **cpu, **self.extra}
 
 
 def _growth(prev: list[Point], attr: str) -> float:
@@ -252,7 +259,7 @@ def _time_and_size(live: list, caps: Caps, device: str) -> None:
             if r >= reps[id(point)] or point.status != "ok":
                 continue
             try:
-                point.times_s.append(time_step(step, device=device))
+                point.times_s.append(time_step(step, device=device, cpu=point.cpu_times_s))
             except Exception as e:
                 _failed(point, e)
     for s, point, step, _ in live:

@@ -119,5 +119,12 @@ def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chun
     series = op_series(chunk_size, gated_chunk=gated_chunk)
     if only:
         series = select_series(series, only)
-    specs = [Series(name, lambda T, fn=fn: make_op_step(fn, T, H=H, D=D, device=device)) for name, fn in series.items()]
+    def make(T, name, fn):
+        step = make_op_step(fn, T, H=H, D=D, device=device)
+        chunk = gated_chunk if name == GATED_OP and gated_chunk is not None else chunk_size
+        if name in ("linear chunked", "linear attention_blocked", GATED_OP):  # what the FLOP count depends on
+            return step, {"chunk_size": chunk(T) if callable(chunk) else chunk}
+        return step
+
+    specs = [Series(name, lambda T, name=name, fn=fn: make(T, name, fn)) for name, fn in series.items()]
     return sweep_side_by_side(specs, Ts, caps, device=device, on_point=on_point)

@@ -113,7 +113,7 @@ def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[st
     paths = {"json": out / f"{name}.json", "csv": out / f"{name}.csv", "md": out / f"{name}.md"}
     atomic_write_text(paths["json"], json.dumps({**meta, "rows": rows}, indent=1, default=str))
     keys = ["series", "T", "status", "time_s", "peak_bytes"] + sorted(
-        {k for r in rows for k in r} - {"series", "T", "status", "time_s", "peak_bytes", "times_s"})
+        {k for r in rows for k in r} - {"series", "T", "status", "time_s", "peak_bytes", "times_s", "cpu_times_s"})
     import io
 
     buf = io.StringIO()

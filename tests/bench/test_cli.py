@@ -36,10 +36,14 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
     assert main(["bench", "ops", "--max-T", "256", "--ops", "chunked", "softmax", "--out", str(out)]) == 0
     data = json.loads((out / "ops.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked", "linear chunked gated"}
+    # the tuned chunk (the fastest "measured" here: 32) is recorded where the FLOP count depends on it
+    assert {r["series"]: r.get("chunk_size") for r in data["rows"]} == {
+        "softmax (SDPA)": None, "linear chunked": 32, "linear chunked gated": 32}
     assert [(s["fast"], s["slow"]) for s in data["speedups"]] == [
         ("linear chunked", "softmax (SDPA)"), ("linear chunked gated", "linear chunked"),
         ("linear chunked gated", "softmax (SDPA)")]
     assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0
+    assert len(data["load_average"]) == 3 and data["date"].startswith("20")  # how shared the machine was, when
     m = data["machine"]  # the matmul speed the run ended at, for comparing records across days
     assert m["matmul_gflops_best"] >= m["matmul_gflops_median"] > 0 and m["matmul_slowest_over_fastest"] >= 1
 
@@ -109,6 +113,8 @@ def test_bad_cost_and_tune_arguments_give_one_line_errors(argv, message, capsys)
     (["bench", "ops", "--max-T", "100"], "--max-T must be >= 256"),
     (["bench", "ops", "--time-cap", "-1"], "--time-cap must be > 0"),
     (["bench", "train", "--sizes", "nope"], "--sizes must be one of"),
+    (["bench", "generate", "--T", "256", "--max-T", "512"], "give --T or --max-T, not both"),
+    (["bench", "generate", "--T", "0"], "--T must be >= 1"),
 ])
 def test_bad_bench_arguments_exit_before_measuring(argv, message):
     with pytest.raises(SystemExit) as e:
@@ -196,3 +202,68 @@ def test_bench_flags_are_typed_by_its_options_dataclass(argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert str(e.value) == message
+
+
+def test_cost_op_share_of_the_probe_is_its_flops_over_time_over_the_probe(capsys):
+    # the op at the bench's shape (H = 8, D = 64) at 16k; numbers passed in, nothing timed
+    assert main(["cost", "--n-head", "8", "--n-embd", "512", "--T", "4096", "16384", "--op-time", "0.05", "0.25",
+                 "--probe-gflops", "200"]) == 0
+    out = capsys.readouterr().out
+    # 3x the forward 4 N T F E + 2 N n c^2 (F + E) at F = 64, E = 65, c = 64
+    for T, t in ((4096, 0.05), (16384, 0.25)):
+        flops = 3 * (4 * 8 * T * 64 * 65 + 2 * 8 * (T // 64) * 64 * 64 * (64 + 65))
+        assert f"T={T}: " in out and f"{100 * flops / t / 200e9:.1f}% of the probe" in out
+    assert "200 GFLOP/s (passed in)" in out
+
+
+def test_cost_op_share_counts_the_short_last_chunk(capsys):
+    from lintrans.bench.cost import ModelShape, op_training_flops
+
+    shape = ModelShape(n_layer=4, n_head=2, n_embd=64, attention="linear", form="chunked", chunk_size=64)
+    # T = 100: one chunk of 64 and one of 36, whatever the number of layers
+    assert op_training_flops(shape, 100) == 3 * (4 * 2 * 100 * 32 * 33 + 2 * 2 * (64**2 + 36**2) * (32 + 33))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["cost", "--T", "64", "128", "--op-time", "0.1"], "--op-time needs one time per --T (2), got 1"),
+    (["cost", "--T", "64", "--op-time", "-1"], "--op-time must be positive"),
+    (["cost", "--T", "64", "--op-time", "1", "--probe-gflops", "0"], "--probe-gflops must be positive"),
+    (["cost", "--T", "64", "--measure-op", "--op-repeats", "0"], "--op-repeats must be >= 1"),
+])
+def test_bad_op_share_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cost_measure_op_runs_and_reports_a_share(capsys):
+    assert main(["cost", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--vocab", "50", "--T", "40",
+                 "--measure-op", "--op-repeats", "1", "--probe-gflops", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(measured here, THP_MEM_ALLOC_ENABLE=" in out and "T=40: " in out and "% of the probe" in out
+
+
+def test_bench_generate_at_chosen_contexts_with_one_decoder(tmp_path, capsys):
+    out = tmp_path / "res"
+    assert main(["bench", "generate", "--T", "96", "32", "--decoders", "linear", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "generate.json").read_text())
+    assert [(r["series"], r["T"]) for r in data["rows"]] == [("linear state", 32), ("linear state", 96)]
+    # the cost model's cache bytes for 4L-128 (2 heads of 64) at T = 96: KV 2 L K h T x 4, state L N F (h + 1) x 4
+    kv, state = 2 * 4 * 2 * 64 * 96 * 4, 4 * 2 * 64 * 65 * 4
+    assert all(r["cache_bytes"] == state for r in data["rows"])
+    assert f"({kv / state:.0f}x)" in data["headline"] and "ms per token at T = 96" in data["headline"]
+    # every timed repeat's process CPU time beside its wall time, the least as cpu_s
+    assert all(len(r["cpu_times_s"]) == len(r["times_s"]) and r["cpu_s"] == min(r["cpu_times_s"]) for r in data["rows"])
+    assert "process CPU time" in data["headline"]
+
+
+def test_demo_states_the_chunked_ops_share_of_the_probe():
+    from lintrans.bench.demo import op_share_line
+
+    rows = [{"series": "linear chunked", "T": T, "status": "ok", "time_s": t, "chunk_size": 64}
+            for T, t in ((4096, 0.05), (8192, 0.1))]
+    line = op_share_line({"rows": rows, "machine": {"matmul_gflops_best": 150.0}})
+    flops = 3 * (4 * 8 * 8192 * 64 * 65 + 2 * 8 * 128 * 64 * 64 * 129)  # c = 64, F = 64, E = 65
+    assert line.startswith("chunked op at T = 8192: 100 ms")
+    assert f"{flops / 0.1 / 1e9:.0f} GFLOP/s" in line and f"{100 * flops / 0.1 / 150e9:.0f}% of the matmul probe" in line
+    assert op_share_line({"rows": rows, "machine": {}}) is None
