@@ -80,10 +80,16 @@ def peak_memory(fn: Callable[[], object], device: str = "cpu") -> Optional[int]:
         timing_malloc()
 
 
-def time_step(fn: Callable[[], object], *, device: str = "cpu", cpu: Optional[list] = None) -> float:
+def time_step(fn: Callable[[], object], *, device: str = "cpu", cpu: Optional[list] = None,
+              faults: Optional[list] = None) -> float:
     """Seconds of one call of ``fn`` (already warmed up), the device's queue drained on both sides.
     ``cpu``: a list to append the process CPU seconds of the call to (with one thread, the work
-    itself, whatever else runs on the machine)."""
+    itself, whatever else runs on the machine); ``faults``: one to append its minor page faults to
+    (Unix)."""
+    if faults is not None:
+        import resource
+
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     synchronize(device)
     c0, t0 = time.process_time(), time.perf_counter()
     fn()
@@ -91,6 +97,8 @@ def time_step(fn: Callable[[], object], *, device: str = "cpu", cpu: Optional[li
     t = time.perf_counter() - t0
     if cpu is not None:
         cpu.append(time.process_time() - c0)
+    if faults is not None:
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     return t
 
 

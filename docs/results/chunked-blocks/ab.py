@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 import torch
 
 from lintrans.bench.machine import machine_info, matmul_probe
+from lintrans.bench.measure import time_step
 from lintrans.ops import linear_attention, softmax_attention
 
 
@@ -89,13 +89,7 @@ def main() -> None:
             for n, s in steps.items():
                 if n == "softmax (SDPA)" and r >= args.softmax_rounds:
                     continue
-                r0 = resource.getrusage(resource.RUSAGE_SELF)
-                t0 = time.perf_counter()
-                s()
-                times[n].append(time.perf_counter() - t0)
-                r1 = resource.getrusage(resource.RUSAGE_SELF)
-                cpu[n].append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
-                faults[n].append(r1.ru_minflt - r0.ru_minflt)
+                times[n].append(time_step(s, cpu=cpu[n], faults=faults[n]))
         for n in names:
             best = min(times[n])
             row = {"T": T, "series": n, "gated": n.endswith("gated"), "time_s": best, "times_s": times[n],

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 
 import torch
 
 from lintrans.bench.machine import machine_info, matmul_probe
+from lintrans.bench.measure import time_step
 from lintrans.bench.sizes import resolve_size
 from lintrans.bench.train import gpt_config, make_train_step
 
@@ -102,13 +102,7 @@ def main() -> None:
         times, cpu, faults = ({n: [] for n in steps} for _ in range(3))
         for _ in range(args.rounds):
             for n, s in steps.items():
-                r0 = resource.getrusage(resource.RUSAGE_SELF)
-                t0 = time.perf_counter()
-                s()
-                times[n].append(time.perf_counter() - t0)
-                r1 = resource.getrusage(resource.RUSAGE_SELF)
-                cpu[n].append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
-                faults[n].append(r1.ru_minflt - r0.ru_minflt)
+                times[n].append(time_step(s, cpu=cpu[n], faults=faults[n]))
         for n in steps:
             best = min(times[n])
             i = times[n].index(best)
