@@ -293,7 +293,8 @@ class _SimpleCausal(torch.autograd.Function):
     """Causal AFT-simple by two plain cumulative sums against one reference per channel, the largest
     key M: o_t = sigmoid(q_t) * sum_{j<=t} e_j v_j / sum_{j<=t} e_j with e_j = exp(k_j - M) <= 1.
     Row t's largest term is at least exp(k_0 - M) (its prefix holds key 0), so while
-    M - k_0 < UNDERFLOW_GAP no row loses its leading terms; the caller checks that (``_simple_gap_ok``).
+    M - k_0 < UNDERFLOW_GAP no row loses its leading terms; the caller checks that and passes M
+    (``_simple_reference``).
 
     q, k, v [B, T, H, D] in the compute dtype. The sums run block by block along T, their totals
     carried, so every temporary is a block's worth; backward recomputes a block from the carried
@@ -302,10 +303,9 @@ class _SimpleCausal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, M):
         B, T, H, D = k.shape
         block = max(1, SIMPLE_BLOCK_ELEMENTS // (B * H * D))
-        M = k.amax(dim=1, keepdim=True)  # [B,1,H,D]
         o = torch.empty_like(v)
         totals = k.new_zeros(-(-T // block) + 1, 2, B, 1, H, D)  # (num, den) before each block
         for i, t0 in enumerate(range(0, T, block)):
@@ -342,13 +342,15 @@ class _SimpleCausal(torch.autograd.Function):
             torch.mul(e, A, out=dv[:, t0:t1])
             torch.mul(vb, A, out=dk[:, t0:t1]).sub_(C).mul_(e)
             torch.mul(gb * mean, s * (1 - s), out=dq[:, t0:t1])
-        return dq, dk, dv
+        return dq, dk, dv, None
 
 
-def _simple_gap_ok(k) -> bool:
-    """Whether the cumsum path is exact for keys k [B,T,H,D]: the largest gap M - k_0 (see above)."""
+def _simple_reference(k) -> Optional[torch.Tensor]:
+    """The cumsum path's reference M [B,1,H,D] (the largest key of each channel) for keys k
+    [B,T,H,D], or None where that path is not exact: the largest gap M - k_0 (see above)."""
     kd = k.detach()
-    return float((kd.amax(dim=1) - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype]
+    M = kd.amax(dim=1, keepdim=True)
+    return M if float((M[:, 0] - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype] else None
 
 
 def aft(
@@ -381,8 +383,8 @@ def aft(
         k32, v32 = k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T with H*D contiguous
         if not reads_values(k.device):  # an accelerator: no path chosen from values (a host sync)
             mean = _aft_simple_causal_log(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
-        elif _simple_gap_ok(k32):  # keys of ordinary size: two cumsums
-            return _SimpleCausal.apply(q.to(dtype), k32, v32).to(q.dtype)
+        elif (M := _simple_reference(k32)) is not None:  # keys of ordinary size: two cumsums
+            return _SimpleCausal.apply(q.to(dtype), k32, v32, M).to(q.dtype)
         else:  # a huge key late in the sequence: chunks with their own references
             mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
         return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
