@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# the fused CPU kernels (C++/OpenMP); without a compiler the PyTorch path runs instead
+	$(PY) -m lintrans.ops.native || echo "lintrans: native kernels not built; the PyTorch path will run"
 	touch $(STAMP)
 
 install: $(STAMP)

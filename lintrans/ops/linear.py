@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 from .validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
 from .scan import decayed_scan
 from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
+from .native import chunked as native_chunked
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -143,6 +144,7 @@ class _Chunked(NamedTuple):
     eps: float
     dtype: torch.dtype  # the compute (state) dtype
     out_dtype: torch.dtype
+    native: Optional[str] = None  # run the fused CPU kernel with this named map (ops/native), or not (None)
 
 
 # Tokens x heads per block on a CPU: a block's temporaries (a few MB) stay in cache and are reused
@@ -387,6 +389,12 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     @_without_autocast
     def forward(ctx, q, k, v, ld, S0, cfg: _Chunked):
+        if cfg.native is not None:  # the same algebra, fused (lintrans/ops/native/chunked.cpp)
+            o, den, states, S_end = native_chunked.forward(q, k, v, ld, S0, cfg.chunk, cfg.native, cfg.normalize,
+                                                           cfg.scale, cfg.eps)
+            ctx.save_for_backward(q, k, v, ld, states, den, o)
+            ctx.cfg, ctx.kept = cfg, []
+            return o.to(cfg.out_dtype), S_end
         B, T, H = q.shape[:3]
         Dv = v.shape[-1]
         o = torch.empty(B, T, H, Dv, dtype=cfg.dtype, device=q.device)
@@ -424,6 +432,10 @@ class _ChunkedAttention(torch.autograd.Function):
         cfg = ctx.cfg
         Dv = v.shape[-1]
         need_db = ld is not None and ctx.needs_input_grad[3]
+        if cfg.native is not None:
+            dq, dk, dv, dld, dS = native_chunked.backward(q, k, v, ld, o, den, states, do, dS_end, cfg.chunk,
+                                                          cfg.native, cfg.normalize, cfg.scale, cfg.eps, need_db)
+            return dq, dk, dv, dld, dS, None
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dld = torch.empty(ld.shape, dtype=cfg.dtype, device=ld.device) if need_db else None
         dS = dS_end.clone()  # the gradient reaching the state after the block at hand
@@ -585,8 +597,11 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
     if log_decay is not None:
         ld = log_decay.to(dtype)
         ld = ld.expand(1, T, H) if ld.dim() == 1 else ld  # a fixed [H] decay: the same for every token
+    native = feature_map if phi is not None else "identity"
+    if not native_chunked.supports(q, k, v, ld, native, normalize, dtype):
+        native = None
     cfg = _Chunked(phi, dphi, scale, chunk, _chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
-                   dtype, v.dtype)
+                   dtype, v.dtype, native)
     o, S_end = _ChunkedAttention.apply(q, k, v, ld, S0, cfg)
     return o, ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
 

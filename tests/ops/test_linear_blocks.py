@@ -5,13 +5,32 @@ import torch
 
 from lintrans.ops import FORMS, linear_attention, linear_attention_reference
 from lintrans.ops import linear as linear_module
+from lintrans.ops import native
+from lintrans.ops.native import chunked as native_chunked
 
 from qkv import random_qkv
 
 
+@pytest.fixture(autouse=True, params=["blocks", "native"])
+def path(request, monkeypatch):
+    """Every test here runs on both CPU paths: the PyTorch blocks and the fused kernel (ops/native),
+    counting the fused kernel's calls."""
+    calls = []
+    if request.param == "blocks":
+        monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    elif not native.available():
+        pytest.skip("native kernels unavailable (no C++ compiler?)")
+    else:
+        forward = native_chunked.forward
+        monkeypatch.setattr(native_chunked, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    return request.param, calls
+
+
 def chunks_per_block(monkeypatch, B, H, c, nb, keep=False):
-    """Make the CPU path cut the sequence into blocks of ``nb`` chunks of ``c`` tokens; ``keep``: the
-    blocks are kept for backward (short calls), else recomputed (long calls)."""
+    """Make the CPU path cut the sequence into blocks of ``nb`` chunks of ``c`` tokens (the fused
+    kernel: save a state every ``nb`` chunks); ``keep``: the blocks are kept for backward (short
+    calls), else recomputed (long calls)."""
+    monkeypatch.setattr(native_chunked, "CHECKPOINT_CHUNKS", nb)
     monkeypatch.setattr(linear_module, "BLOCK_TOKEN_HEADS", B * H * c * nb)
     monkeypatch.setattr(linear_module, "KEEP_TOKEN_HEADS", 10**9 if keep else 0)
     assert linear_module._chunks_per_block(torch.device("cpu"), B * H, c, 100) == nb
@@ -30,7 +49,7 @@ def chunks_per_block(monkeypatch, B, H, c, nb, keep=False):
 ])
 @pytest.mark.parametrize("decay", [None, "per-token", "fixed"])
 @pytest.mark.parametrize("keep", [False, True])
-def test_block_boundaries_equal_reference(monkeypatch, T, c, nb, decay, keep):
+def test_block_boundaries_equal_reference(monkeypatch, path, T, c, nb, decay, keep):
     B, H, Dk, Dv = 2, 3, 5, 4
     chunks_per_block(monkeypatch, B, H, min(c, T), nb, keep)
     q, k, v = (x.requires_grad_() for x in random_qkv(B, T, H, Dk, Dv))
@@ -54,6 +73,7 @@ def test_block_boundaries_equal_reference(monkeypatch, T, c, nb, decay, keep):
     want = torch.autograd.grad((ref * w).sum() + (S_ref * wS).sum() + (z_ref * wz).sum(), inputs)
     for gg, ww in zip(got, want):
         torch.testing.assert_close(gg, ww, rtol=1e-8, atol=1e-10)
+    assert (len(path[1]) > 0) == (path[0] == "native")  # the path under test is the one taken
 
 
 @pytest.mark.parametrize("normalize,feature_map", [(False, "identity"), (True, "based"), (False, "softplus"),

@@ -1,0 +1,427 @@
+// The chunked form of causal linear attention, fused, for the CPU: the same algebra as
+// _ChunkedAttention in lintrans/ops/linear.py (read that first: names and steps match), one
+// (batch, head) pair per OpenMP task, its chunks walked in order by one thread with every
+// temporary a chunk's worth and the matmuls as direct BLAS calls.
+//
+// Per chunk of c tokens (fq, fk its features [c, F], vb its values with a column of ones [c, E]):
+//   A = tril(fq fk^T) (times 2^(b_i - b_j) with a decay),  y = fq S (times 2^b_i) + A vb,
+//   S <- 2^b_last S + (fk 2^(b_last - b_j))^T vb.
+// Backward walks the chunks in reverse, carrying dS, the gradient reaching the state after the
+// chunk; the states before the chunks are recomputed from one saved state every `ckpt` chunks.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+            const int*, const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+            const int*, const double*, const int*, const double*, double*, const int*);
+// glibc's vector math (libmvec): declared SIMD-callable, so that `omp simd` loops vectorize them
+float expf(float) noexcept __attribute__((simd("notinbranch")));
+double exp(double) noexcept __attribute__((simd("notinbranch")));
+float exp2f(float) noexcept __attribute__((simd("notinbranch")));
+double exp2(double) noexcept __attribute__((simd("notinbranch")));
+float log1pf(float) noexcept __attribute__((simd("notinbranch")));
+double log1p(double) noexcept __attribute__((simd("notinbranch")));
+float expm1f(float) noexcept __attribute__((simd("notinbranch")));
+double expm1(double) noexcept __attribute__((simd("notinbranch")));
+// MKL (torch's BLAS on x86) threads a call made outside an active parallel region itself, which
+// for matrices this small is ruinous: each worker asks for one thread (weak: other BLAS lack it)
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+}
+
+namespace {
+
+inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* al,
+                      const float* a, const int* lda, const float* b, const int* ldb, const float* be, float* c,
+                      const int* ldc) {
+  sgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+}
+inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* al,
+                      const double* a, const int* lda, const double* b, const int* ldb, const double* be,
+                      double* c, const int* ldc) {
+  dgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+}
+
+// Row-major C[M, N] = op(A) op(B) + beta C, op(A) [M, K]: BLAS is column-major, so it computes C^T.
+template <typename T>
+void gemm(bool tA, bool tB, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc) {
+  const char a = tA ? 'T' : 'N', b = tB ? 'T' : 'N';
+  const T one = 1;
+  blas_gemm(&b, &a, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+inline float vexp(float x) { return expf(x); }
+inline double vexp(double x) { return exp(x); }
+inline float vexp2(float x) { return exp2f(x); }
+inline double vexp2(double x) { return exp2(x); }
+inline float vlog1p(float x) { return log1pf(x); }
+inline double vlog1p(double x) { return log1p(x); }
+inline float vexpm1(float x) { return expm1f(x); }
+inline double vexpm1(double x) { return expm1(x); }
+
+enum Phi : int64_t { kNone = 0, kElu = 1, kRelu = 2, kSoftplus = 3 };
+
+// y = phi(x) for a row of n (the switch outside the loops, so that each loop vectorizes; with
+// -fopenmp glibc declares SIMD versions of exp and log1p)
+template <typename T>
+void phi_row(int64_t kind, const T* x, T* y, int64_t n) {
+  switch (kind) {
+    case kElu:
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i] > 0 ? x[i] + 1 : vexp(std::min(x[i], T(0)));
+      break;
+    case kRelu:
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i] > 0 ? x[i] : T(0);
+      break;
+    case kSoftplus:  // torch's threshold: x above 20 is returned as is
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i] > 20 ? x[i] : vlog1p(vexp(std::min(x[i], T(20))));
+      break;
+    default:
+      std::memcpy(y, x, n * sizeof(T));
+  }
+}
+
+// out = g * phi'(x), phi' from phi's output y, as OUTPUT_DERIVATIVES in feature_maps.py
+template <typename T>
+void dphi_row(int64_t kind, const T* g, const T* y, T* out, int64_t n) {
+  switch (kind) {
+    case kElu:
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) out[i] = g[i] * std::min(y[i], T(1));
+      break;
+    case kRelu:
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) out[i] = y[i] > 0 ? g[i] : T(0);
+      break;
+    case kSoftplus:
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) out[i] = -g[i] * vexpm1(-y[i]);
+      break;
+    default:
+      std::memcpy(out, g, n * sizeof(T));
+  }
+}
+
+constexpr double kLog2e = 1.4426950408889634;
+
+// One BLAS thread for the calling thread while in scope
+struct SequentialBlas {
+  int before = 0;
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) before = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(before);
+  }
+};
+
+}  // namespace
+
+// Field for field the ctypes.Structure in lintrans/ops/native/chunked.py.
+struct ChunkedArgs {
+  const void *q, *k, *v, *ld, *S0;  // q, k [B, T, H, F]; v [B, T, H, Dv]; ld [B|1, T, H] or null; S0 [B, H, F, E]
+  void *o, *den, *states, *S_end;   // o [B, T, H, Dv], den [B, T, H] (normalize), states [B, H, ncp, F, E]
+  const void *dout, *dS_end;        // backward: do (strides sdo), dS_end [B, H, F, E]
+  void *dq, *dk, *dv, *dld, *dS0;   // dq, dk [B, T, H, F], dv [B, T, H, Dv], dld [B, T, H] (contiguous)
+  int64_t B, T, H, F, Dv;
+  int64_t sq[3], sk[3], sv[3], sld[3], sdo[3];  // strides of the B, T, H dimensions (the last is 1)
+  int64_t chunk, ckpt, phi, normalize, need_dld, threads;
+  double scale, eps;
+};
+
+namespace {
+
+// Rows of one head lie H * D apart in [B, T, H, D], a page or so: the hardware prefetcher does not
+// follow them, so each chunk's loads ask for the next chunk's rows ahead of time
+template <typename T>
+inline void prefetch_row(const T* x, int64_t n) {
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + i);
+}
+
+// One chunk's inputs, loaded into contiguous buffers: features, values with their ones column and,
+// with a decay, the in-chunk cumulative log2-decays bc (<= 0).
+template <typename T>
+struct Chunk {
+  int64_t c, F, E;
+  std::vector<T> fq, fk, vb, bc;
+  Chunk(int64_t c, int64_t F, int64_t E) : c(c), F(F), E(E), fq(c * F), fk(c * F), vb(c * E), bc(c) {}
+
+  void load(const ChunkedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t cl, bool queries, int64_t ahead) {
+    const T* k = static_cast<const T*>(a.k) + b * a.sk[0] + h * a.sk[2];
+    const T* v = static_cast<const T*>(a.v) + b * a.sv[0] + h * a.sv[2];
+    const T* q = static_cast<const T*>(a.q) + b * a.sq[0] + h * a.sq[2];
+    const int64_t tn = t0 + ahead;  // the chunk to be loaded next
+    for (int64_t i = 0; i < c && tn + i >= 0 && tn + i < a.T; ++i) {
+      if (queries) prefetch_row(q + (tn + i) * a.sq[1], F);
+      prefetch_row(k + (tn + i) * a.sk[1], F);
+      prefetch_row(v + (tn + i) * a.sv[1], a.Dv);
+    }
+    if (queries) {
+      for (int64_t i = 0; i < cl; ++i) {
+        phi_row(a.phi, q + (t0 + i) * a.sq[1], &fq[i * F], F);
+      }
+    }
+    for (int64_t i = 0; i < cl; ++i) {
+      phi_row(a.phi, k + (t0 + i) * a.sk[1], &fk[i * F], F);
+      const T* y = v + (t0 + i) * a.sv[1];
+      std::memcpy(&vb[i * E], y, a.Dv * sizeof(T));
+      vb[i * E + a.Dv] = 1;
+    }
+    if (a.ld) {
+      const T* ld = static_cast<const T*>(a.ld) + b * a.sld[0] + h * a.sld[2];
+      T acc = 0;
+      for (int64_t i = 0; i < cl; ++i) {
+        acc += ld[(t0 + i) * a.sld[1]];
+        bc[i] = acc * T(kLog2e);
+      }
+    }
+  }
+
+  // A [cl, cl] (row stride c) = fq fk^T, causal, decayed by 2^(bc_i - bc_j)
+  void scores(T* A, int64_t cl, bool gated) const {
+    gemm<T>(false, true, cl, cl, F, fq.data(), F, fk.data(), F, 0, A, c);
+    for (int64_t i = 0; i < cl; ++i) {
+      T* row = A + i * c;
+      if (gated)
+#pragma omp simd
+        for (int64_t j = 0; j <= i; ++j) row[j] *= vexp2(std::min(bc[i] - bc[j], T(0)));
+      for (int64_t j = i + 1; j < cl; ++j) row[j] = 0;
+    }
+  }
+
+  // S <- 2^b_last S + kd^T vb, kd = fk decayed to the chunk's end (written to kd)
+  void advance(T* S, T* kd, int64_t cl, bool gated) const {
+    const T* keys = fk.data();
+    if (gated) {
+      const T last = bc[cl - 1], g = vexp2(last);
+      for (int64_t x = 0; x < F * E; ++x) S[x] *= g;
+      for (int64_t i = 0; i < cl; ++i) {
+        const T d = vexp2(last - bc[i]);
+        for (int64_t f = 0; f < F; ++f) kd[i * F + f] = fk[i * F + f] * d;
+      }
+      keys = kd;
+    }
+    gemm<T>(true, false, F, E, cl, keys, F, vb.data(), E, 1, S, E);
+  }
+};
+
+// Each thread takes a contiguous range of (batch, head) pairs and walks the chunks in order, all of
+// its heads at each chunk: a chunk's rows of those heads lie side by side in [B, T, H, D], so the
+// reads stream through memory (one head at a time would jump H * D elements per row).
+struct HeadRange {
+  int64_t lo, hi;
+  explicit HeadRange(int64_t BH) {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    lo = BH * t / n;
+    hi = BH * (t + 1) / n;
+  }
+};
+
+template <typename T>
+struct Buffers {
+  Chunk<T> ch;
+  std::vector<T> A, dA, y, dq, dk, dv, kd;
+  Buffers(int64_t c, int64_t F, int64_t E)
+      : ch(c, F, E), A(c * c), dA(c * c), y(c * E), dq(c * F), dk(c * F), dv(c * E), kd(c * F) {}
+};
+
+// One chunk of one head: its output rows, and S advanced past it.
+template <typename T>
+void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, int64_t b, int64_t h, int64_t t0, int64_t cl, T* S) {
+  const int64_t F = a.F, E = a.Dv + 1;
+  const bool gated = a.ld != nullptr;
+  Chunk<T>& ch = w.ch;
+  ch.load(a, b, h, t0, cl, true, ch.c);
+  ch.scores(w.A.data(), cl, gated);
+  gemm<T>(false, false, cl, E, F, ch.fq.data(), F, S, E, 0, w.y.data(), E);
+  if (gated)
+    for (int64_t i = 0; i < cl; ++i) {
+      const T d = vexp2(ch.bc[i]);
+      for (int64_t e = 0; e < E; ++e) w.y[i * E + e] *= d;
+    }
+  gemm<T>(false, false, cl, E, cl, w.A.data(), ch.c, ch.vb.data(), E, 1, w.y.data(), E);
+  const T s = T(a.scale);
+  for (int64_t i = 0; i < cl; ++i) {
+    const int64_t row = (b * a.T + t0 + i) * a.H + h;
+    T* o = static_cast<T*>(a.o) + row * a.Dv;
+    const T* yi = &w.y[i * E];
+    if (a.normalize) {
+      const T d = yi[a.Dv] * s + T(a.eps);
+      static_cast<T*>(a.den)[row] = d;
+#pragma omp simd
+      for (int64_t e = 0; e < a.Dv; ++e) o[e] = yi[e] * s / d;
+    } else {
+#pragma omp simd
+      for (int64_t e = 0; e < a.Dv; ++e) o[e] = yi[e] * s;
+    }
+  }
+  ch.advance(S, w.kd.data(), cl, gated);
+}
+
+template <typename T>
+void forward(const ChunkedArgs& a) {
+  const int64_t F = a.F, E = a.Dv + 1, FE = F * E, c = a.chunk, nck = (a.T + c - 1) / c;
+  const int64_t ncp = (nck + a.ckpt - 1) / a.ckpt;
+#pragma omp parallel num_threads(a.threads)
+  {
+    SequentialBlas one_thread;
+    const HeadRange r(a.B * a.H);
+    Buffers<T> w(c, F, E);
+    std::vector<T> S((r.hi - r.lo) * FE);  // each head's state
+    std::memcpy(S.data(), static_cast<const T*>(a.S0) + r.lo * FE, S.size() * sizeof(T));
+    for (int64_t m = 0; m < nck; ++m) {
+      const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
+      for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+        T* Sh = &S[(bh - r.lo) * FE];
+        if (m % a.ckpt == 0)
+          std::memcpy(static_cast<T*>(a.states) + (bh * ncp + m / a.ckpt) * FE, Sh, FE * sizeof(T));
+        forward_chunk(a, w, bh / a.H, bh % a.H, t0, cl, Sh);
+      }
+    }
+    std::memcpy(static_cast<T*>(a.S_end) + r.lo * FE, S.data(), S.size() * sizeof(T));
+  }
+}
+
+// The gradients of one chunk of one head, given Sm (the state before it) and Sn (after it); dS, the
+// gradient reaching the state after the chunk, becomes the gradient reaching the state before it.
+template <typename T>
+void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, int64_t b, int64_t h, int64_t t0, int64_t cl, const T* Sm,
+                    const T* Sn, T* dS) {
+  const int64_t F = a.F, E = a.Dv + 1, Dv = a.Dv, c = a.chunk;
+  const bool gated = a.ld != nullptr;
+  Chunk<T>& ch = w.ch;
+  T *A = w.A.data(), *dA = w.dA.data(), *dy = w.y.data(), *dq = w.dq.data(), *dk = w.dk.data();
+  T *dv = w.dv.data(), *kd = w.kd.data();
+  ch.load(a, b, h, t0, cl, true, -c);
+  ch.scores(A, cl, gated);
+  // dy from do: o = y / d with d = y_z + eps, so dy = do / d and dy_z = -sum(dy o); then the scale
+  const T s = T(a.scale);
+  const T* dout = static_cast<const T*>(a.dout) + b * a.sdo[0] + h * a.sdo[2];
+  for (int64_t i = 0; i < cl; ++i) {
+    const int64_t t = t0 + i, row = (b * a.T + t) * a.H + h;
+    const T* g = dout + t * a.sdo[1];
+    T* dyi = &dy[i * E];
+    if (a.normalize) {
+      const T d = static_cast<const T*>(a.den)[row];
+      const T* o = static_cast<const T*>(a.o) + row * Dv;
+      T z = 0;
+#pragma omp simd reduction(+ : z)
+      for (int64_t e = 0; e < Dv; ++e) {
+        dyi[e] = g[e] / d;
+        z += dyi[e] * o[e];
+      }
+      dyi[Dv] = -z;
+    } else {
+      for (int64_t e = 0; e < Dv; ++e) dyi[e] = g[e];
+      dyi[Dv] = 0;
+    }
+    for (int64_t e = 0; e < E; ++e) dyi[e] *= s;
+  }
+  gemm<T>(false, true, cl, cl, E, dy, E, ch.vb.data(), E, 0, dA, c);  // d(scores)
+  gemm<T>(true, false, cl, E, cl, A, c, dy, E, 0, dv, E);
+  T last = 0;
+  if (gated) {  // from here on dy is the gradient of the state's part of y before its decay 2^b_i
+    last = ch.bc[cl - 1];
+    for (int64_t i = 0; i < cl; ++i) {
+      const T d = vexp2(ch.bc[i]), dk_ = vexp2(last - ch.bc[i]);
+      for (int64_t e = 0; e < E; ++e) dy[i * E + e] *= d;
+      for (int64_t f = 0; f < F; ++f) kd[i * F + f] = ch.fk[i * F + f] * dk_;
+    }
+  }
+  gemm<T>(false, false, cl, E, F, gated ? kd : ch.fk.data(), F, dS, E, 1, dv, E);
+  gemm<T>(false, true, cl, F, E, dy, E, Sm, E, 0, dq, F);
+  gemm<T>(false, true, cl, F, E, ch.vb.data(), E, dS, E, 0, dk, F);  // d kd
+  for (int64_t i = 0; i < cl; ++i) {
+    T* row = &dA[i * c];
+    if (gated) {
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) row[j] *= vexp2(std::min(ch.bc[i] - ch.bc[j], T(0)));
+      const T d = vexp2(last - ch.bc[i]);
+      for (int64_t f = 0; f < F; ++f) dk[i * F + f] *= d;
+    }
+    for (int64_t j = i + 1; j < cl; ++j) row[j] = 0;
+  }
+  gemm<T>(false, false, cl, F, cl, dA, c, ch.fk.data(), F, 1, dq, F);
+  gemm<T>(true, false, cl, F, cl, dA, c, ch.fq.data(), F, 1, dk, F);
+  if (gated && a.need_dld) {
+    // b_i enters as fq_i e^{b_i} and fk_i e^{-b_i}, b_last besides as e^{b_last} on the whole state
+    // after the chunk; ld_t's gradient sums db_i over i >= t, plus b_last's
+    T acc = 0;
+    for (int64_t x = 0; x < F * E; ++x) acc += dS[x] * Sn[x];
+    T* dld = static_cast<T*>(a.dld) + b * a.T * a.H + h;
+    for (int64_t i = cl - 1; i >= 0; --i) {
+      T v = 0;
+      for (int64_t f = 0; f < F; ++f) v += ch.fq[i * F + f] * dq[i * F + f] - ch.fk[i * F + f] * dk[i * F + f];
+      acc += v;
+      dld[(t0 + i) * a.H] = acc;
+    }
+  }
+  if (gated) {
+    const T g = vexp2(last);
+    for (int64_t x = 0; x < F * E; ++x) dS[x] *= g;
+  }
+  gemm<T>(true, false, F, E, cl, ch.fq.data(), F, dy, E, 1, dS, E);
+  for (int64_t i = 0; i < cl; ++i) {
+    const int64_t row = (b * a.T + t0 + i) * a.H + h;
+    dphi_row(a.phi, &dq[i * F], &ch.fq[i * F], static_cast<T*>(a.dq) + row * F, F);
+    dphi_row(a.phi, &dk[i * F], &ch.fk[i * F], static_cast<T*>(a.dk) + row * F, F);
+    std::memcpy(static_cast<T*>(a.dv) + row * Dv, &dv[i * E], Dv * sizeof(T));
+  }
+}
+
+template <typename T>
+void backward(const ChunkedArgs& a) {
+  const int64_t F = a.F, E = a.Dv + 1, FE = F * E, c = a.chunk, nck = (a.T + c - 1) / c;
+  const int64_t ncp = (nck + a.ckpt - 1) / a.ckpt;
+  const bool gated = a.ld != nullptr;
+#pragma omp parallel num_threads(a.threads)
+  {
+    SequentialBlas one_thread;
+    const HeadRange r(a.B * a.H);
+    const int64_t nh = r.hi - r.lo;
+    Buffers<T> w(c, F, E);
+    std::vector<T> X(nh * (a.ckpt + 1) * FE), dS(nh * FE);  // per head: the states of a stretch; dS
+    std::memcpy(dS.data(), static_cast<const T*>(a.dS_end) + r.lo * FE, dS.size() * sizeof(T));
+    for (int64_t p = ncp - 1; p >= 0; --p) {
+      const int64_t m0 = p * a.ckpt, m1 = std::min(m0 + a.ckpt, nck);
+      // the state before each chunk of this stretch (and after its last), from the saved one
+      for (int64_t bh = r.lo; bh < r.hi; ++bh)
+        std::memcpy(&X[(bh - r.lo) * (a.ckpt + 1) * FE], static_cast<const T*>(a.states) + (bh * ncp + p) * FE,
+                    FE * sizeof(T));
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
+        for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+          T* Xm = &X[((bh - r.lo) * (a.ckpt + 1) + m - m0) * FE];
+          std::memcpy(Xm + FE, Xm, FE * sizeof(T));
+          w.ch.load(a, bh / a.H, bh % a.H, t0, cl, false, c);
+          w.ch.advance(Xm + FE, w.kd.data(), cl, gated);
+        }
+      }
+      for (int64_t m = m1 - 1; m >= m0; --m) {
+        const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
+        for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+          const T* Xm = &X[((bh - r.lo) * (a.ckpt + 1) + m - m0) * FE];
+          backward_chunk(a, w, bh / a.H, bh % a.H, t0, cl, Xm, Xm + FE, &dS[(bh - r.lo) * FE]);
+        }
+      }
+    }
+    std::memcpy(static_cast<T*>(a.dS0) + r.lo * FE, dS.data(), dS.size() * sizeof(T));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+void lt_chunked_forward_f32(const ChunkedArgs* a) { forward<float>(*a); }
+void lt_chunked_forward_f64(const ChunkedArgs* a) { forward<double>(*a); }
+void lt_chunked_backward_f32(const ChunkedArgs* a) { backward<float>(*a); }
+void lt_chunked_backward_f64(const ChunkedArgs* a) { backward<double>(*a); }
+}

@@ -1,0 +1,118 @@
+"""The fused CPU chunked kernel (lintrans/ops/native): when it runs, that it equals the float64
+reference and the PyTorch blocks, and that the library falls back when it cannot be built."""
+import warnings
+
+import pytest
+import torch
+
+from lintrans.ops import linear_attention, linear_attention_reference
+from lintrans.ops import native
+from lintrans.ops.native import chunked as native_chunked
+
+from qkv import random_qkv
+
+needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C++ compiler?)")
+
+
+def counted(monkeypatch):
+    calls = []
+    forward = native_chunked.forward
+    monkeypatch.setattr(native_chunked, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "softplus", "identity", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_supported_calls_take_the_kernel(monkeypatch, feature_map, dtype):
+    calls = counted(monkeypatch)
+    q, k, v = random_qkv(1, 9, 2, 4, 3, dtype=dtype)
+    linear_attention(q, k, v, feature_map=feature_map, chunk_size=4)
+    assert calls == [1]
+
+
+@needs_native
+def test_other_calls_keep_the_pytorch_blocks(monkeypatch):
+    calls = counted(monkeypatch)
+    q, k, v = random_qkv(1, 9, 2, 4, 3, dtype=torch.float32)
+    linear_attention(q, k, v, feature_map="based", chunk_size=4)  # not a map the kernel knows
+    linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=4)  # computed in float32
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    linear_attention(q, k, v, chunk_size=4)
+    assert calls == []
+
+
+@needs_native
+@pytest.mark.parametrize("decay", [None, "per-token", "fixed"])
+def test_kernel_equals_reference_and_blocks(monkeypatch, decay):
+    """float32, several stretches between saved states, a tail chunk, Dk != Dv, an initial state,
+    non-contiguous q, k, v (views into one projection, as the GPT passes them), scale and eps."""
+    monkeypatch.setattr(native_chunked, "CHECKPOINT_CHUNKS", 2)
+    B, T, H, Dk, Dv = 2, 83, 3, 5, 7
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(B, T, H, 2 * Dk + Dv, generator=g)
+    ld = {None: None, "per-token": -torch.rand(B, T, H, generator=g),
+          "fixed": -torch.rand(H, generator=g)}[decay]
+    S0, z0 = torch.randn(B, H, Dk, Dv, generator=g), torch.rand(B, H, Dk, generator=g) + 0.5
+    w, wS = torch.randn(B, T, H, Dv, generator=g), torch.randn(B, H, Dk, Dv, generator=g)
+
+    def run(fn, dtype, **kw):
+        x = qkv.to(dtype).requires_grad_()
+        extra = [t.to(dtype).requires_grad_() for t in (S0, z0)] + ([] if ld is None else [ld.to(dtype).requires_grad_()])
+        q, k, v = x[..., :Dk], x[..., Dk : 2 * Dk], x[..., 2 * Dk :]
+        o, (S, z) = fn(q, k, v, scale=0.8, eps=1e-5, initial_state=tuple(extra[:2]),
+                       log_decay=extra[2] if ld is not None else None, **kw)
+        grads = torch.autograd.grad((o * w.to(dtype)).sum() + (S * wS.to(dtype)).sum() + z.sum(), [x] + extra)
+        return [o, S, z, *grads]
+
+    calls = counted(monkeypatch)
+    got = run(linear_attention, torch.float32, chunk_size=8, output_final_state=True)
+    assert calls == [1]
+    want = run(linear_attention_reference, torch.float64)
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    blocks = run(linear_attention, torch.float32, chunk_size=8, output_final_state=True)
+    for a, b, r in zip(got, blocks, want):
+        torch.testing.assert_close(a, r.float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_kernel_gradcheck():
+    q, k, v = (x.requires_grad_() for x in random_qkv(1, 7, 2, 3, 2))
+    ld = (-torch.rand(1, 7, 2, dtype=torch.float64)).requires_grad_()
+    fn = lambda q, k, v, ld: linear_attention(q, k, v, chunk_size=3, log_decay=ld, feature_map="softplus")[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, ld))
+
+
+@needs_native
+def test_threads_do_not_change_the_result():
+    """One thread walks each head's chunks in order, whatever the number of threads: bitwise equal."""
+    q, k, v = (x.float().requires_grad_() for x in random_qkv(2, 50, 3, 8, 8))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            o, _ = linear_attention(q, k, v, chunk_size=8)
+            outs.append([o, *torch.autograd.grad(o.square().sum(), (q, k, v))])
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    monkeypatch.setenv("LINTRANS_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    with pytest.warns(RuntimeWarning, match="native CPU kernels unavailable"):
+        assert native.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.library() is None  # tried once: no second warning, no second build
+        q, k, v = random_qkv(1, 5, 1, 3, 2)
+        o, _ = linear_attention(q, k, v, chunk_size=2)
+    torch.testing.assert_close(o, linear_attention_reference(q, k, v)[0])
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
