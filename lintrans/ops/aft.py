@@ -20,6 +20,9 @@ Never builds a [T, T, D] tensor. Paths:
   matmul; both max shifts cancel in the ratio. When causal and a huge key comes late (a row's largest
   term would sit more than UNDERFLOW_GAP below the shared reference), query chunks with per-row
   references (the running max of k) instead.
+- simple, causal, on the CPU (float32/float64): one fused pass along T with a running max per channel
+  (ops/native/aft.cpp), exact for any keys. Where that kernel is unavailable (or off), and on
+  accelerators, the PyTorch paths:
 - simple: two cumulative sums against the largest key, O(T*D), while no row can underflow; otherwise
   chunks with a per-chunk reference carried by a scan over chunks, and log-cumsum-exp scans over T
   only when a key jumps far above the running max inside a chunk. Those choices read the keys on
@@ -36,6 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
+from .native import aft as native_aft
 from .scan import decayed_scan
 from .validation import check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
 
@@ -345,6 +349,23 @@ class _SimpleCausal(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+class _NativeSimpleCausal(torch.autograd.Function):
+    """Causal AFT-simple by the fused CPU kernel (ops/native/aft.cpp): q, k, v [B, T, H, D] in the
+    compute dtype. Forward saves the weighted mean r and L = log of its running denominator; backward
+    is one reverse pass over them (the derivation is at the top of aft.cpp)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o, r, L = native_aft.forward(q, k, v, save=True)
+        ctx.save_for_backward(q, k, v, r, L)
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, go):
+        return native_aft.backward(*ctx.saved_tensors, go)
+
+
 def _simple_reference(k) -> Optional[torch.Tensor]:
     """The cumsum path's reference M [B,1,H,D] (the largest key of each channel) for keys k
     [B,T,H,D], or None where that path is not exact: the largest gap M - k_0 (see above)."""
@@ -380,14 +401,18 @@ def aft(
         raise ValueError(f"a non-causal conv kernel must have odd width, got pos_bias {tuple(pos_bias.shape)}")
     dtype = compute_dtype(q.dtype)
     if variant == "simple" and causal:
-        k32, v32 = k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T with H*D contiguous
+        q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T, H*D contiguous
+        if native_aft.supports(q32, k32, v32):  # the CPU: one fused pass, exact for any keys
+            if torch.is_grad_enabled() and any(x.requires_grad for x in (q32, k32, v32)):
+                return _NativeSimpleCausal.apply(q32, k32, v32).to(q.dtype)
+            return native_aft.forward(q32, k32, v32, save=False)[0].to(q.dtype)
         if not reads_values(k.device):  # an accelerator: no path chosen from values (a host sync)
             mean = _aft_simple_causal_log(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
         elif (M := _simple_reference(k32)) is not None:  # keys of ordinary size: two cumsums
-            return _SimpleCausal.apply(q.to(dtype), k32, v32, M).to(q.dtype)
+            return _SimpleCausal.apply(q32, k32, v32, M).to(q.dtype)
         else:  # a huge key late in the sequence: chunks with their own references
             mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
-        return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
+        return (torch.sigmoid(q32) * mean).to(q.dtype)
     kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
     if variant == "simple":  # not causal: one softmax over all keys
         mean = (torch.softmax(kh, dim=2) * vh).sum(2, keepdim=True).expand_as(vh)

@@ -22,6 +22,13 @@ from lintrans.ops.sliding_window import sliding_window_attention
 aft_module = importlib.import_module("lintrans.ops.aft")  # the package attribute `aft` is the function
 
 
+@pytest.fixture
+def pytorch_simple(monkeypatch):
+    """Causal AFT-simple on its PyTorch paths (the CPU takes the fused kernel, when it can be had,
+    first: tests/ops/test_native_aft.py runs both)."""
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+
+
 def inputs(B, T, H, D, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(B, T, H, D, generator=g, dtype=dtype) for _ in range(3)]
@@ -153,7 +160,7 @@ def test_large_keys_stay_finite_and_accurate(variant, causal):
 
 @pytest.mark.parametrize("T", [1, 2 * aft_module.SIMPLE_CHUNK, 2 * aft_module.SIMPLE_CHUNK + 3])
 @pytest.mark.parametrize("path", ["chunks", "scans over T"])
-def test_simple_causal_paths_match_reference(T, path, monkeypatch):
+def test_simple_causal_paths_match_reference(T, path, monkeypatch, pytorch_simple):
     """Both paths of causal AFT-simple, each forced: outputs and gradients, T across chunk boundaries."""
     monkeypatch.setattr(aft_module, "_simple_reference", lambda k: None)  # not the two plain cumsums
     if path == "chunks":
@@ -164,7 +171,7 @@ def test_simple_causal_paths_match_reference(T, path, monkeypatch):
     assert_matches_reference(q, k, v, None, variant="simple", causal=True)
 
 
-def test_simple_causal_keys_drifting_to_huge_values_take_the_chunks(monkeypatch):
+def test_simple_causal_keys_drifting_to_huge_values_take_the_chunks(monkeypatch, pytorch_simple):
     """Keys that climb to +400 and others that fall to -400 (float32: exp overflows past 88), 0.4 per
     token: the chunked path (no scan over T), finite and accurate, gradients finite."""
     monkeypatch.setattr(aft_module, "_log_sums", None)
@@ -181,7 +188,7 @@ def test_simple_causal_keys_drifting_to_huge_values_take_the_chunks(monkeypatch)
     assert torch.isfinite(g).all()
 
 
-def test_simple_causal_long_sequence_float32_precision():
+def test_simple_causal_long_sequence_float32_precision(pytorch_simple):
     q, k, v = inputs(1, 2048, 1, 8, dtype=torch.float32, seed=6)
     o = aft(q, k * 3, v, variant="simple")
     ref = aft(q.double(), k.double() * 3, v.double(), variant="simple")
@@ -190,7 +197,7 @@ def test_simple_causal_long_sequence_float32_precision():
 
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("T,block", [(1, 4), (7, 7), (8, 7), (300, 7), (300, 64), (300, 1000)])
-def test_simple_causal_cumsum_blocks_match_the_reference(T, block, B, monkeypatch):
+def test_simple_causal_cumsum_blocks_match_the_reference(T, block, B, monkeypatch, pytorch_simple):
     """The two-cumsum path, block by block (T a multiple of the block, one more, a tail, one block):
     outputs and gradients of q, k and v against the float64 reference; the other paths fail if taken."""
     monkeypatch.setattr(aft_module, "_aft_simple_causal", None)
@@ -199,7 +206,7 @@ def test_simple_causal_cumsum_blocks_match_the_reference(T, block, B, monkeypatc
     assert_matches_reference(q, k * 4, v, None, variant="simple", causal=True)
 
 
-def test_simple_causal_cumsum_gradient_with_float32_inputs(monkeypatch):
+def test_simple_causal_cumsum_gradient_with_float32_inputs(monkeypatch, pytorch_simple):
     """float32 through the blocks: gradients close to float64's."""
     monkeypatch.setattr(aft_module, "SIMPLE_BLOCK_ELEMENTS", 16 * 2 * 4)
     q, k, v = inputs(1, 100, 2, 4, dtype=torch.float32, seed=11)

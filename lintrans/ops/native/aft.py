@@ -1,0 +1,75 @@
+"""ctypes bindings of aft.cpp: the fused CPU causal AFT-simple behind ``aft(variant="simple")``."""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import enabled, library
+
+_p = ctypes.c_void_p
+_i3 = ctypes.c_int64 * 3
+
+
+class AftArgs(ctypes.Structure):
+    _fields_ = [(n, _p) for n in ("q", "k", "v", "o", "r", "L", "dout", "dq", "dk", "dv")] + \
+               [(n, ctypes.c_int64) for n in ("B", "T", "H", "D")] + \
+               [(n, _i3) for n in ("sq", "sk", "sv", "sdo")] + \
+               [("threads", ctypes.c_int64)]
+
+
+def supports(q, k, v) -> bool:
+    """Whether the fused kernel can run this call (else the PyTorch paths do); builds it on first use."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
+            and enabled() and library() is not None)
+
+
+def _ptr(x: Optional[torch.Tensor]):
+    return None if x is None else x.data_ptr()
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _args(*xs: torch.Tensor) -> AftArgs:
+    """Shapes and strides of the inputs xs [B, T, H, D]; when every one has its heads side by side
+    (stride of H = D), H * D counts as one row of channels (longer vector loops, fewer tiles)."""
+    B, T, H, D = xs[0].shape
+    a = AftArgs()
+    merge = all(x.stride(2) == D or H == 1 for x in xs)
+    a.B, a.T, a.H, a.D = (B, T, 1, H * D) if merge else (B, T, H, D)
+    strides = [_i3(x.stride(0), x.stride(1), 0 if merge else x.stride(2)) for x in xs]
+    a.sq, a.sk, a.sv = strides[:3]
+    if len(xs) > 3:
+        a.sdo = strides[3]
+    a.threads = torch.get_num_threads()
+    return a
+
+
+def _suffix(dtype) -> str:
+    return "f32" if dtype == torch.float32 else "f64"
+
+
+def forward(q, k, v, save: bool):
+    """(o, r, L), each [B, T, H, D] contiguous; r (the weighted mean) and L (log of the running
+    denominator) are for backward, None unless ``save``."""
+    q, k, v = map(_last_contiguous, (q, k, v))
+    o = torch.empty(q.shape, dtype=q.dtype)
+    r, L = (torch.empty_like(o), torch.empty_like(o)) if save else (None, None)
+    a = _args(q, k, v)
+    a.q, a.k, a.v, a.o, a.r, a.L = _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(r), _ptr(L)
+    getattr(library(), f"lt_aft_simple_forward_{_suffix(q.dtype)}")(ctypes.byref(a))
+    return o, r, L
+
+
+def backward(q, k, v, r, L, do):
+    """(dq, dk, dv), each [B, T, H, D] contiguous."""
+    q, k, v, do = map(_last_contiguous, (q, k, v, do.to(q.dtype)))
+    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype) for _ in range(3))
+    a = _args(q, k, v, do)
+    a.q, a.k, a.v, a.r, a.L, a.dout = _ptr(q), _ptr(k), _ptr(v), _ptr(r), _ptr(L), _ptr(do)
+    a.dq, a.dk, a.dv = _ptr(dq), _ptr(dk), _ptr(dv)
+    getattr(library(), f"lt_aft_simple_backward_{_suffix(q.dtype)}")(ctypes.byref(a))
+    return dq, dk, dv

@@ -1,0 +1,232 @@
+"""Causal AFT-simple on both CPU paths: the fused kernel (lintrans/ops/native/aft.cpp) and the
+PyTorch paths it falls back to, each against the float64 reference (outputs and gradients), with
+awkward shapes, non-contiguous inputs and keys large enough to overflow a naive exp."""
+import importlib
+
+import pytest
+import torch
+
+from lintrans.ops.aft import aft, aft_reference, aft_simple_step
+from lintrans.ops import native
+from lintrans.ops.native import aft as native_aft
+
+aft_module = importlib.import_module("lintrans.ops.aft")  # the package attribute `aft` is the function
+needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C++ compiler?)")
+
+
+def counted(monkeypatch):
+    calls = []
+    forward = native_aft.forward
+    monkeypatch.setattr(native_aft, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    return calls
+
+
+@pytest.fixture(params=["pytorch", "native"])
+def path(request, monkeypatch):
+    """The test runs on both CPU paths; yields the path's name and the fused kernel's calls."""
+    if request.param == "pytorch":
+        monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    elif not native.available():
+        pytest.skip("native kernels unavailable (no C++ compiler?)")
+    return request.param, counted(monkeypatch)
+
+
+def took(path):
+    name, calls = path
+    return (len(calls) > 0) == (name == "native")
+
+
+def inputs(B, T, H, D, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, T, H, D, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def outputs_and_grads(q, k, v, dout):
+    """aft's output and the gradients of (o * dout).sum() for q, k, v (leaves made here)."""
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = aft(*xs, variant="simple")
+    return [o, *torch.autograd.grad((o * dout).sum(), xs)]
+
+
+def reference(q, k, v, dout):
+    """The float64 reference's output and gradients, as outputs_and_grads."""
+    xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o = aft_reference(*xs, variant="simple")
+    return [o, *torch.autograd.grad((o * dout.double()).sum(), xs)]
+
+
+def assert_close_all(got, want, rtol, atol):
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("B, T, H, D", [
+    (1, 1, 1, 1),     # T = 1
+    (2, 1, 2, 3),     # T = 1, B > 1
+    (1, 37, 3, 5),    # odd D
+    (3, 70, 2, 4),
+    (2, 50, 3, 40),   # heads side by side: 120 channels a row, two tiles
+    (1, 20, 2, 150),  # several tiles a head
+])
+def test_matches_reference(path, B, T, H, D):
+    q, k, v = inputs(B, T, H, D, seed=T + D)
+    dout = torch.randn(B, T, H, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_close_all(outputs_and_grads(q, k * 4, v, dout), reference(q, k * 4, v, dout), 1e-10, 1e-10)
+    assert took(path)
+
+
+def test_non_contiguous_inputs_match_reference(path):
+    """q from [B, H, T, D] (heads not side by side), k a slice of a wider projection, v with a
+    strided last dimension (copied), and a gradient of o.sum() (expanded, stride 0)."""
+    B, T, H, D = 2, 45, 3, 70
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64).transpose(1, 2)
+    k = (3 * torch.randn(B, T, H, 2 * D, generator=g, dtype=torch.float64))[..., D:]
+    v = torch.randn(B, T, D, H, generator=g, dtype=torch.float64).transpose(-1, -2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.stride(-1) == 1)
+    dout = torch.ones(B, T, H, D, dtype=torch.float64)
+    assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-10, 1e-10)
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    aft(*xs, variant="simple").sum().backward()  # the gradient arrives expanded
+    for x, want in zip(xs, reference(q, k, v, dout)[1:]):
+        torch.testing.assert_close(x.grad, want, rtol=1e-10, atol=1e-10)
+    assert took(path)
+
+
+def test_values_shared_along_time(path):
+    """v expanded along T (stride 0 there): read in place."""
+    q, k, v = inputs(2, 30, 2, 6, seed=4)
+    v = v[:, :1].expand(-1, 30, -1, -1)
+    dout = torch.randn(2, 30, 2, 6, dtype=torch.float64)
+    assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-10, 1e-10)
+
+
+def test_huge_keys_stay_finite_and_accurate(path):
+    """float32 keys around +-300 with a huge one late (rows before it must not underflow to 0/0):
+    outputs and gradients against the float64 reference (the PyTorch path, its log-cumsum-exp scans here,
+    within 1e-3: its dk loses more to float32 at keys this large)."""
+    q, k, v = inputs(2, 40, 2, 4, dtype=torch.float32, seed=5)
+    k = k * 100
+    k[:, 30] = 500.0
+    dout = torch.randn(2, 40, 2, 4)
+    got = outputs_and_grads(q, k, v, dout)
+    assert all(torch.isfinite(x).all() for x in got)
+    tol = 1e-4 if path[0] == "native" else 1e-3
+    assert_close_all(got, reference(q, k, v, dout), tol, tol)
+    assert took(path)
+
+
+def test_keys_drifting_to_huge_values(path):
+    """Keys that climb to +400 and others that fall to -400 over 1000 tokens (float32: exp overflows
+    past 88): outputs and gradients against the float64 reference."""
+    T = 1000
+    q, k, v = inputs(1, T, 2, 4, dtype=torch.float32, seed=10)
+    drift = torch.linspace(0, 400, T)[None, :, None, None]
+    k = k + torch.cat([drift, -drift], dim=2)
+    dout = torch.randn(1, T, 2, 4)
+    got = outputs_and_grads(q, k, v, dout)
+    assert all(torch.isfinite(x).all() for x in got)
+    assert_close_all(got, reference(q, k, v, dout), 1e-3, 1e-4)
+
+
+def test_float64_keys_beyond_any_exp(path):
+    """float64 keys of size 1e4 (exp overflows past 709): exact to float64 rounding."""
+    q, k, v = inputs(2, 25, 2, 3, seed=12)
+    k = k * 1e4
+    dout = torch.randn(2, 25, 2, 3, dtype=torch.float64)
+    assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-9, 1e-10)
+
+
+def test_long_sequence_float32_precision(path):
+    """float32 over 4096 tokens (sums of thousands of terms) against float64: outputs and gradients."""
+    q, k, v = inputs(1, 4096, 2, 8, dtype=torch.float32, seed=6)
+    dout = torch.randn(1, 4096, 2, 8)
+    got = outputs_and_grads(q, k * 3, v, dout)
+    # the same path in float64 as the reference (aft_reference's loops are slow at this length)
+    want = outputs_and_grads(q.double(), k.double() * 3, v.double(), dout.double())
+    assert_close_all(got, want, 1e-4, 1e-4)
+
+
+def test_half_precision_runs_in_float32(path):
+    q, k, v = inputs(1, 10, 2, 4, dtype=torch.bfloat16)
+    o = aft(q, k, v, variant="simple")
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o.double(), aft_reference(q, k, v, variant="simple"), rtol=2e-2, atol=2e-2)
+    assert took(path)
+
+
+def test_step_equals_forward(path):
+    q, k, v = inputs(2, 11, 3, 4)
+    k = k * 50  # the running max has to move
+    full = aft(q, k, v, variant="simple")
+    state, outs = None, []
+    for t in range(11):
+        o, state = aft_simple_step(q[:, t], k[:, t], v[:, t], state)
+        outs.append(o)
+    torch.testing.assert_close(torch.stack(outs, 1), full, rtol=1e-10, atol=1e-10)
+
+
+@needs_native
+def test_without_gradients_nothing_is_saved(monkeypatch):
+    """No input needs a gradient (or grad mode is off): the kernel runs without saving r and L,
+    and gives the same output."""
+    saves = []
+    forward = native_aft.forward
+    monkeypatch.setattr(native_aft, "forward", lambda *a, save: saves.append(save) or forward(*a, save=save))
+    q, k, v = inputs(2, 33, 2, 5, dtype=torch.float32)
+    plain = aft(q, k, v, variant="simple")
+    with torch.no_grad():
+        off = aft(q, k, v.requires_grad_(), variant="simple")
+    on = aft(q, k, v, variant="simple")
+    assert saves == [False, False, True] and on.requires_grad
+    assert torch.equal(plain, on) and torch.equal(off, on)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_supported_calls_take_the_kernel(monkeypatch, dtype):
+    calls = counted(monkeypatch)
+    q, k, v = inputs(1, 9, 2, 4, dtype=dtype)
+    aft(q, k, v, variant="simple")
+    aft(q, k, v, variant="simple", causal=False)  # not causal: one softmax, no kernel
+    aft(q, k, v, variant="conv", pos_bias=torch.zeros(2, 3, dtype=dtype))
+    assert calls == [1]
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    aft(q, k, v, variant="simple")
+    assert calls == [1]
+
+
+@needs_native
+def test_kernel_gradcheck():
+    q, k, v = (x.requires_grad_() for x in inputs(2, 6, 2, 3, seed=13))
+    assert torch.autograd.gradcheck(lambda q, k, v: aft(q, k * 3, v, variant="simple"), (q, k, v))
+
+
+@needs_native
+def test_threads_do_not_change_the_result():
+    """A channel's arithmetic does not depend on which thread owns it: bitwise equal for 1 to 5
+    threads (12 tiles of channels: 3 batches of a 200-channel row)."""
+    q, k, v = (x.float().requires_grad_() for x in inputs(3, 40, 5, 40))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            o = aft(q, k * 3, v, variant="simple")
+            outs.append([o, *torch.autograd.grad(o.square().sum(), (q, k, v))])
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_without_the_library_the_pytorch_paths_run(monkeypatch):
+    """A library that could not be built (warned about once, in ops/native): the same results."""
+    calls = counted(monkeypatch)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", True)
+    q, k, v = inputs(2, 9, 2, 3, seed=14)
+    dout = torch.randn(2, 9, 2, 3, dtype=torch.float64)
+    assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-10, 1e-10)
+    assert calls == []
