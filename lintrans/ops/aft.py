@@ -351,13 +351,13 @@ class _SimpleCausal(torch.autograd.Function):
 
 class _NativeSimpleCausal(torch.autograd.Function):
     """Causal AFT-simple by the fused CPU kernel (ops/native/aft.cpp): q, k, v [B, T, H, D] in the
-    compute dtype. Forward saves the weighted mean r and L = log of its running denominator; backward
-    is one reverse pass over them (the derivation is at the top of aft.cpp)."""
+    compute dtype. Forward saves its carried sums every few steps; backward recomputes the steps
+    between, a stretch at a time, and walks them in reverse (the derivation is at the top of aft.cpp)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        o, r, L = native_aft.forward(q, k, v, save=True)
-        ctx.save_for_backward(q, k, v, r, L)
+        o, ckpt = native_aft.forward(q, k, v, save=True)
+        ctx.save_for_backward(q, k, v, ckpt)
         return o
 
     @staticmethod

@@ -168,8 +168,8 @@ def test_step_equals_forward(path):
 
 @needs_native
 def test_without_gradients_nothing_is_saved(monkeypatch):
-    """No input needs a gradient (or grad mode is off): the kernel runs without saving r and L,
-    and gives the same output."""
+    """No input needs a gradient (or grad mode is off): the kernel runs without saving its
+    checkpoints, and gives the same output."""
     saves = []
     forward = native_aft.forward
     monkeypatch.setattr(native_aft, "forward", lambda *a, save: saves.append(save) or forward(*a, save=save))
@@ -180,6 +180,21 @@ def test_without_gradients_nothing_is_saved(monkeypatch):
     on = aft(q, k, v, variant="simple")
     assert saves == [False, False, True] and on.requires_grad
     assert torch.equal(plain, on) and torch.equal(off, on)
+
+
+@needs_native
+@pytest.mark.parametrize("every", [1, 4])
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 12, 37])
+def test_stretches_between_checkpoints(monkeypatch, every, T):
+    """Backward recomputes the steps between saved sums, a stretch at a time: T shorter than a
+    stretch, a multiple of it, one more, a tail; keys that move the running max."""
+    monkeypatch.setattr(native_aft, "CHECKPOINT_STEPS", every)
+    calls = counted(monkeypatch)
+    q, k, v = inputs(2, T, 3, 5, seed=T)
+    k = k * 20
+    dout = torch.randn(2, T, 3, 5, dtype=torch.float64)
+    assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-10, 1e-10)
+    assert calls == [1]
 
 
 @needs_native

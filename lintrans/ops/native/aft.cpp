@@ -3,12 +3,16 @@
 //   o_t = sigmoid(q_t) r_t,  r_t = N_t / D_t,  N_t = sum_{j<=t} e^{k_j} v_j,  D_t = sum_{j<=t} e^{k_j}.
 // Forward is one pass along T carrying N' = N e^{-M}, D' = D e^{-M} against the running max M of
 // the keys (rescaled by e^{M_old - M_new} when it moves, the flash-attention trick along time), so
-// every exponent is <= 0 and D' >= 1 whatever the keys. It saves r_t and L_t = log D_t = M + log D'.
+// every exponent is <= 0 and D' >= 1 whatever the keys. For backward it saves only (M, N', D') every
+// `every` steps, from which backward recomputes what it needs a stretch at a time (T-sized saved
+// tensors would cost their writes, their reads and, past glibc's mmap threshold, their page faults on
+// every call).
 // Backward is one reverse pass; with g_t = do_t sigmoid(q_t), the gradient reaching N_t is g_t / D_t
-// and the one reaching D_t is -g_t r_t / D_t. Carried relative to D_j:
-//   R'_j = sum_{t>=j} g_t e^{L_j - L_t} = g_j + e^{L_j - L_{j+1}} R'_{j+1},  Q'_j likewise with g_t r_t,
-//   dv_j = e^{k_j - L_j} R'_j,  dk_j = e^{k_j - L_j} (v_j R'_j - Q'_j),  dq_t = do_t r_t sigmoid'(q_t);
-// L is nondecreasing and D_j >= e^{k_j}, so again every exponent is <= 0.
+// and the one reaching D_t is -g_t r_t / D_t. Carried relative to D_j, with L_t = log D_t:
+//   R'_j = sum_{t>=j} g_t e^{L_j - L_t} = g_j + c_{j+1} R'_{j+1},  c_t = e^{L_{t-1} - L_t} = D_{t-1} / D_t,
+//   Q'_j likewise with g_t r_t,  dv_j = a_j R'_j,  dk_j = a_j (v_j R'_j - Q'_j),  a_j = e^{k_j} / D_j,
+//   dq_t = do_t r_t sigmoid'(q_t);
+// D is nondecreasing and D_j >= e^{k_j}: a and c lie in [0, 1].
 //
 // Work is split by channel: each thread owns a range of tiles (TILE channels of one row's H * D, or
 // of one head when the heads are not side by side) and walks t in order over all of them, so its
@@ -31,13 +35,14 @@ double log(double) noexcept __attribute__((simd("notinbranch")));
 
 // Field for field the ctypes.Structure in lintrans/ops/native/aft.py.
 struct AftArgs {
-  const void *q, *k, *v;     // [B, T, H, D], strides sq, sk, sv of the B, T, H dimensions (the last is 1)
-  void *o, *r, *L;           // o, r, L [B, T, H, D] contiguous; r, L (saved for backward) may be null
-  const void* dout;          // backward: do (strides sdo)
-  void *dq, *dk, *dv;        // backward: [B, T, H, D] contiguous
+  const void *q, *k, *v;  // [B, T, H, D], strides sq, sk, sv of the B, T, H dimensions (the last is 1)
+  void* o;                // [B, T, H, D] contiguous
+  void* ckpt;             // [ncp, 3, B * H * D]: (M, N', D') before every step t = p * every, p >= 1; may be null
+  const void* dout;       // backward: do (strides sdo)
+  void *dq, *dk, *dv;     // backward: [B, T, H, D] contiguous
   int64_t B, T, H, D;
   int64_t sq[3], sk[3], sv[3], sdo[3];
-  int64_t threads;
+  int64_t every, threads;
 };
 
 namespace {
@@ -69,6 +74,8 @@ std::vector<Tile> thread_tiles(const AftArgs& a) {
   return tiles;
 }
 
+inline int64_t channels(const std::vector<Tile>& tiles) { return tiles.empty() ? 0 : tiles.back().off + tiles.back().n; }
+
 inline int64_t tile_threads(const AftArgs& a) {
   const int64_t tiles = a.B * a.H * ((a.D + TILE - 1) / TILE);
   return std::max<int64_t>(1, std::min(a.threads, tiles));
@@ -79,23 +86,32 @@ inline const T* row(const void* x, const int64_t* s, const Tile& w, int64_t t) {
   return static_cast<const T*>(x) + w.b * s[0] + t * s[1] + w.h * s[2] + w.d0;
 }
 
+// the channel index of a tile's first channel, (b, h, d0) flattened
+inline int64_t channel(const AftArgs& a, const Tile& w) { return (w.b * a.H + w.h) * a.D + w.d0; }
+
 // offset of (b, t, h, d0) in a contiguous [B, T, H, D] tensor
 inline int64_t at(const AftArgs& a, const Tile& w, int64_t t) { return ((w.b * a.T + t) * a.H + w.h) * a.D + w.d0; }
 
-// One step of the forward pass over a tile's n channels; Save: also write r and L.
-template <typename T, bool Save>
+// One step of the forward pass over a tile's n channels, given the carried M, N', D' (set at the
+// first step). Out: write o (from q); else what backward needs of the step (its recomputation of a
+// stretch): r_t, a_t = e^{k_t - L_t} = w_t / D'_t and c_t = e^{L_{t-1} - L_t} = keep_t D'_{t-1} / D'_t,
+// w_t and keep_t the step's weight of k_t and rescale of the old sums, so that backward needs no exp
+// or log of L.
+template <typename T, bool Out>
 inline void forward_step(int64_t n, bool first, const T* q, const T* k, const T* v, T* M, T* N, T* Dn, T* o, T* r,
-                         T* L) {
+                         T* a, T* c) {
   if (first) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       M[i] = k[i];
       N[i] = v[i];
       Dn[i] = 1;
-      o[i] = v[i] / (1 + vexp(-q[i]));
-      if (Save) {
+      if (Out) {
+        o[i] = v[i] / (1 + vexp(-q[i]));
+      } else {
         r[i] = v[i];
-        L[i] = k[i];
+        a[i] = 1;
+        c[i] = 0;  // nothing before the first step
       }
     }
     return;
@@ -105,69 +121,101 @@ inline void forward_step(int64_t n, bool first, const T* q, const T* k, const T*
     // one exp: e^{-|k - M|} is the old sums' rescale when k is the new max, else k's weight
     const T x = k[i] - M[i], e = vexp(-std::abs(x));
     const bool up = x > 0;
-    const T keep = up ? e : T(1), w = up ? T(1) : e;
+    const T keep = up ? e : T(1), w = up ? T(1) : e, old = Dn[i] * keep;
     M[i] = up ? k[i] : M[i];
     N[i] = N[i] * keep + w * v[i];
-    Dn[i] = Dn[i] * keep + w;
-    const T ri = N[i] / Dn[i];
-    o[i] = ri / (1 + vexp(-q[i]));
-    if (Save) {
-      r[i] = ri;
-      L[i] = M[i] + vlog(Dn[i]);
+    Dn[i] = old + w;
+    if (Out) {
+      o[i] = N[i] / (Dn[i] * (1 + vexp(-q[i])));
+    } else {
+      const T inv = 1 / Dn[i];
+      r[i] = N[i] * inv;
+      a[i] = w * inv;
+      c[i] = old * inv;
     }
   }
 }
 
+// The carried sums of a thread's channels: running max M, N', D'
+template <typename T>
+struct Carry {
+  std::vector<T> M, N, Dn;
+  explicit Carry(int64_t n) : M(n), N(n), Dn(n) {}
+
+  // to or from checkpoint p (which = 0, 1, 2: M, N', D')
+  void store(const AftArgs& a, const std::vector<Tile>& tiles, int64_t p, bool save) {
+    const int64_t C = a.B * a.H * a.D;
+    T* base = static_cast<T*>(a.ckpt) + p * 3 * C;
+    std::vector<T>* xs[3] = {&M, &N, &Dn};
+    for (const Tile& w : tiles)
+      for (int j = 0; j < 3; ++j) {
+        T* c = base + j * C + channel(a, w);
+        T* x = xs[j]->data() + w.off;
+        if (save)
+          std::copy(x, x + w.n, c);
+        else
+          std::copy(c, c + w.n, x);
+      }
+  }
+};
+
 template <typename T>
 void forward(const AftArgs& a) {
-  const bool save = a.r != nullptr;
 #pragma omp parallel num_threads(tile_threads(a))
   {
     const std::vector<Tile> tiles = thread_tiles(a);
-    const int64_t n = tiles.empty() ? 0 : tiles.back().off + tiles.back().n;
-    std::vector<T> M(n), N(n), Dn(n);  // per channel: running max, N', D'
-    T *o = static_cast<T*>(a.o), *r = static_cast<T*>(a.r), *L = static_cast<T*>(a.L);
+    Carry<T> s(channels(tiles));
+    T* o = static_cast<T*>(a.o);
     for (int64_t t = 0; t < a.T; ++t) {
+      if (a.ckpt && t > 0 && t % a.every == 0) s.store(a, tiles, t / a.every, true);
       for (const Tile& w : tiles) {
         const T *q = row<T>(a.q, a.sq, w, t), *k = row<T>(a.k, a.sk, w, t), *v = row<T>(a.v, a.sv, w, t);
-        const int64_t x = at(a, w, t);
-        if (save)
-          forward_step<T, true>(w.n, t == 0, q, k, v, &M[w.off], &N[w.off], &Dn[w.off], o + x, r + x, L + x);
-        else
-          forward_step<T, false>(w.n, t == 0, q, k, v, &M[w.off], &N[w.off], &Dn[w.off], o + x, nullptr, nullptr);
+        forward_step<T, true>(w.n, t == 0, q, k, v, &s.M[w.off], &s.N[w.off], &s.Dn[w.off], o + at(a, w, t), nullptr,
+                              nullptr, nullptr);
       }
     }
   }
 }
 
+// Backward walks the stretches of `every` steps from the last: each stretch's r, a and c recomputed
+// from its checkpoint into buffers that stay in cache, then its steps in reverse.
 template <typename T>
 void backward(const AftArgs& a) {
 #pragma omp parallel num_threads(tile_threads(a))
   {
     const std::vector<Tile> tiles = thread_tiles(a);
-    const int64_t n = tiles.empty() ? 0 : tiles.back().off + tiles.back().n;
-    std::vector<T> Rc(n, T(0)), Qc(n, T(0)), Ln(n);  // per channel: R', Q' and L of the step after
-    const T *r = static_cast<const T*>(a.r), *L = static_cast<const T*>(a.L);
+    const int64_t n = channels(tiles), E = a.every;
+    Carry<T> s(n);
+    std::vector<T> r(E * n), ea(E * n), c(E * n);         // a stretch's r, a and c, step by step
+    std::vector<T> Rc(n, T(0)), Qc(n, T(0)), Cn(n, T(0));  // per channel: R', Q' and c of the step after
     T *dq = static_cast<T*>(a.dq), *dk = static_cast<T*>(a.dk), *dv = static_cast<T*>(a.dv);
-    for (const Tile& w : tiles)  // at the last step nothing is carried: any finite L will do
-      std::copy(L + at(a, w, a.T - 1), L + at(a, w, a.T - 1) + w.n, &Ln[w.off]);
-    for (int64_t t = a.T - 1; t >= 0; --t) {
-      for (const Tile& w : tiles) {
-        const T *q = row<T>(a.q, a.sq, w, t), *k = row<T>(a.k, a.sk, w, t), *v = row<T>(a.v, a.sv, w, t);
-        const T* g = row<T>(a.dout, a.sdo, w, t);
-        const int64_t x = at(a, w, t);
-        const T *rt = r + x, *Lt = L + x;
-        T *R = &Rc[w.off], *Q = &Qc[w.off], *Lnext = &Ln[w.off], *dqt = dq + x, *dkt = dk + x, *dvt = dv + x;
+    for (int64_t p = (a.T - 1) / E; p >= 0; --p) {
+      const int64_t t0 = p * E, t1 = std::min(a.T, t0 + E);
+      if (p > 0) s.store(a, tiles, p, false);
+      for (int64_t t = t0; t < t1; ++t)
+        for (const Tile& w : tiles) {
+          const T *k = row<T>(a.k, a.sk, w, t), *v = row<T>(a.v, a.sv, w, t);
+          const int64_t x = (t - t0) * n + w.off;
+          forward_step<T, false>(w.n, t == 0, nullptr, k, v, &s.M[w.off], &s.N[w.off], &s.Dn[w.off], nullptr, &r[x],
+                                 &ea[x], &c[x]);
+        }
+      for (int64_t t = t1 - 1; t >= t0; --t) {
+        for (const Tile& w : tiles) {
+          const T *q = row<T>(a.q, a.sq, w, t), *v = row<T>(a.v, a.sv, w, t), *g = row<T>(a.dout, a.sdo, w, t);
+          const int64_t x = at(a, w, t), y = (t - t0) * n + w.off;
+          const T *rt = &r[y], *at_ = &ea[y], *ct = &c[y];
+          T *R = &Rc[w.off], *Q = &Qc[w.off], *C = &Cn[w.off], *dqt = dq + x, *dkt = dk + x, *dvt = dv + x;
 #pragma omp simd
-        for (int64_t i = 0; i < w.n; ++i) {
-          const T s = 1 / (1 + vexp(-q[i])), gs = g[i] * s, c = vexp(Lt[i] - Lnext[i]);
-          const T Ri = gs + c * R[i], Qi = gs * rt[i] + c * Q[i], e = vexp(k[i] - Lt[i]);
-          dvt[i] = e * Ri;
-          dkt[i] = e * (v[i] * Ri - Qi);
-          dqt[i] = g[i] * rt[i] * s * (1 - s);
-          R[i] = Ri;
-          Q[i] = Qi;
-          Lnext[i] = Lt[i];
+          for (int64_t i = 0; i < w.n; ++i) {
+            const T sg = 1 / (1 + vexp(-q[i])), gs = g[i] * sg;
+            const T Ri = gs + C[i] * R[i], Qi = gs * rt[i] + C[i] * Q[i];
+            dvt[i] = at_[i] * Ri;
+            dkt[i] = at_[i] * (v[i] * Ri - Qi);
+            dqt[i] = g[i] * rt[i] * sg * (1 - sg);
+            R[i] = Ri;
+            Q[i] = Qi;
+            C[i] = ct[i];
+          }
         }
       }
     }

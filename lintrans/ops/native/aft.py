@@ -8,15 +8,18 @@ import torch
 
 from . import enabled, library
 
+# steps between the carried sums forward saves for backward (which recomputes the steps between,
+# a stretch's r and L kept in cache: STEPS x a thread's channels x 2)
+CHECKPOINT_STEPS = 64
 _p = ctypes.c_void_p
 _i3 = ctypes.c_int64 * 3
 
 
 class AftArgs(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("q", "k", "v", "o", "r", "L", "dout", "dq", "dk", "dv")] + \
+    _fields_ = [(n, _p) for n in ("q", "k", "v", "o", "ckpt", "dout", "dq", "dk", "dv")] + \
                [(n, ctypes.c_int64) for n in ("B", "T", "H", "D")] + \
                [(n, _i3) for n in ("sq", "sk", "sv", "sdo")] + \
-               [("threads", ctypes.c_int64)]
+               [(n, ctypes.c_int64) for n in ("every", "threads")]
 
 
 def supports(q, k, v) -> bool:
@@ -44,7 +47,7 @@ def _args(*xs: torch.Tensor) -> AftArgs:
     a.sq, a.sk, a.sv = strides[:3]
     if len(xs) > 3:
         a.sdo = strides[3]
-    a.threads = torch.get_num_threads()
+    a.every, a.threads = CHECKPOINT_STEPS, torch.get_num_threads()
     return a
 
 
@@ -53,23 +56,25 @@ def _suffix(dtype) -> str:
 
 
 def forward(q, k, v, save: bool):
-    """(o, r, L), each [B, T, H, D] contiguous; r (the weighted mean) and L (log of the running
-    denominator) are for backward, None unless ``save``."""
+    """(o [B, T, H, D] contiguous, ckpt): ckpt, for backward (None unless ``save``), holds the carried
+    sums every CHECKPOINT_STEPS steps, [ncp, 3, B * H * D]."""
     q, k, v = map(_last_contiguous, (q, k, v))
+    B, T, H, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype)
-    r, L = (torch.empty_like(o), torch.empty_like(o)) if save else (None, None)
+    ckpt = torch.empty(-(-T // CHECKPOINT_STEPS), 3, B * H * D, dtype=q.dtype) if save else None
     a = _args(q, k, v)
-    a.q, a.k, a.v, a.o, a.r, a.L = _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(r), _ptr(L)
+    a.q, a.k, a.v, a.o, a.ckpt = _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(ckpt)
     getattr(library(), f"lt_aft_simple_forward_{_suffix(q.dtype)}")(ctypes.byref(a))
-    return o, r, L
+    return o, ckpt
 
 
-def backward(q, k, v, r, L, do):
-    """(dq, dk, dv), each [B, T, H, D] contiguous."""
+def backward(q, k, v, ckpt, do):
+    """(dq, dk, dv), each [B, T, H, D] contiguous; ckpt from forward (with the same CHECKPOINT_STEPS)."""
     q, k, v, do = map(_last_contiguous, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype) for _ in range(3))
     a = _args(q, k, v, do)
-    a.q, a.k, a.v, a.r, a.L, a.dout = _ptr(q), _ptr(k), _ptr(v), _ptr(r), _ptr(L), _ptr(do)
+    assert ckpt.shape[0] == -(-q.shape[1] // a.every)
+    a.q, a.k, a.v, a.ckpt, a.dout = _ptr(q), _ptr(k), _ptr(v), _ptr(ckpt), _ptr(do)
     a.dq, a.dk, a.dv = _ptr(dq), _ptr(dk), _ptr(dv)
     getattr(library(), f"lt_aft_simple_backward_{_suffix(q.dtype)}")(ctypes.byref(a))
     return dq, dk, dv
