@@ -1,12 +1,16 @@
 // Causal AFT-simple, fused, for the CPU: the function of _SimpleCausal in lintrans/ops/aft.py, per
 // channel (b, h, d) of q, k, v [B, T, H, D]:
 //   o_t = sigmoid(q_t) r_t,  r_t = N_t / D_t,  N_t = sum_{j<=t} e^{k_j} v_j,  D_t = sum_{j<=t} e^{k_j}.
-// Forward is one pass along T carrying N' = N e^{-M}, D' = D e^{-M} against the running max M of
-// the keys (rescaled by e^{M_old - M_new} when it moves, the flash-attention trick along time), so
-// every exponent is <= 0 and D' >= 1 whatever the keys. For backward it saves only (M, N', D') every
-// `every` steps, from which backward recomputes what it needs a stretch at a time (T-sized saved
-// tensors would cost their writes, their reads and, past glibc's mmap threshold, their page faults on
-// every call).
+// Forward is one pass along T carrying N' = N e^{-M}, D' = D e^{-M} against a reference M, one of
+// the keys so far, moved to the newest key (the sums rescaled by e^{M_old - M_new}) whenever that one
+// exceeds M by more than SHIFT: the flash-attention trick along time, lazily, so that the sums are
+// rescaled a handful of times per sequence rather than at every new maximum (each rescale rounds the
+// whole sum once). Every term is at most e^SHIFT and D' >= 1 (the largest key so far weighs at least
+// e^0), whatever the keys. The sums, and every quantity carried along T, are double precision: a
+// float32 running sum over thousands of terms would lose digits (torch's CPU cumsum accumulates in
+// double too). For backward, forward saves only (M, N', D') every `every` steps, from which backward
+// recomputes what it needs a stretch at a time (T-sized saved tensors would cost their writes, their
+// reads and, past glibc's mmap threshold, their page faults on every call).
 // Backward is one reverse pass; with g_t = do_t sigmoid(q_t), the gradient reaching N_t is g_t / D_t
 // and the one reaching D_t is -g_t r_t / D_t. Carried relative to D_j, with L_t = log D_t:
 //   R'_j = sum_{t>=j} g_t e^{L_j - L_t} = g_j + c_{j+1} R'_{j+1},  c_t = e^{L_{t-1} - L_t} = D_{t-1} / D_t,
@@ -29,15 +33,13 @@ extern "C" {
 // glibc's vector math (libmvec): declared SIMD-callable, so that `omp simd` loops vectorize them
 float expf(float) noexcept __attribute__((simd("notinbranch")));
 double exp(double) noexcept __attribute__((simd("notinbranch")));
-float logf(float) noexcept __attribute__((simd("notinbranch")));
-double log(double) noexcept __attribute__((simd("notinbranch")));
 }
 
 // Field for field the ctypes.Structure in lintrans/ops/native/aft.py.
 struct AftArgs {
   const void *q, *k, *v;  // [B, T, H, D], strides sq, sk, sv of the B, T, H dimensions (the last is 1)
   void* o;                // [B, T, H, D] contiguous
-  void* ckpt;             // [ncp, 3, B * H * D]: (M, N', D') before every step t = p * every, p >= 1; may be null
+  void* ckpt;             // double [ncp, 3, B * H * D]: (M, N', D') before each step t = p * every, p >= 1; or null
   const void* dout;       // backward: do (strides sdo)
   void *dq, *dk, *dv;     // backward: [B, T, H, D] contiguous
   int64_t B, T, H, D;
@@ -47,12 +49,15 @@ struct AftArgs {
 
 namespace {
 
+using A = double;  // what is carried along T
+
 inline float vexp(float x) { return expf(x); }
 inline double vexp(double x) { return exp(x); }
-inline float vlog(float x) { return logf(x); }
-inline double vlog(double x) { return log(x); }
 
 constexpr int64_t TILE = 64;
+// how far a key may exceed the reference before the sums move to it: e^30 ~ 1e13 per term keeps them
+// far from overflow
+constexpr double SHIFT = 30;
 
 // A run of n channels of one (b, h) (h = 0 when the heads lie side by side and count as channels),
 // from channel d0; its carried sums sit at `off` in the owning thread's buffers.
@@ -94,12 +99,11 @@ inline int64_t at(const AftArgs& a, const Tile& w, int64_t t) { return ((w.b * a
 
 // One step of the forward pass over a tile's n channels, given the carried M, N', D' (set at the
 // first step). Out: write o (from q); else what backward needs of the step (its recomputation of a
-// stretch): r_t, a_t = e^{k_t - L_t} = w_t / D'_t and c_t = e^{L_{t-1} - L_t} = keep_t D'_{t-1} / D'_t,
-// w_t and keep_t the step's weight of k_t and rescale of the old sums, so that backward needs no exp
-// or log of L.
+// stretch): r_t, a_t = e^{k_t} / D_t = w_t / D'_t and c_t = D_{t-1} / D_t = keep_t D'_{t-1} / D'_t,
+// w_t the step's weight of k_t and keep_t its rescale of the old sums (1 unless the reference moves).
 template <typename T, bool Out>
-inline void forward_step(int64_t n, bool first, const T* q, const T* k, const T* v, T* M, T* N, T* Dn, T* o, T* r,
-                         T* a, T* c) {
+inline void forward_step(int64_t n, bool first, const T* q, const T* k, const T* v, T* M, A* N, A* Dn, T* o, A* r,
+                         A* a, A* c) {
   if (first) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
@@ -118,44 +122,51 @@ inline void forward_step(int64_t n, bool first, const T* q, const T* k, const T*
   }
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    // one exp: e^{-|k - M|} is the old sums' rescale when k is the new max, else k's weight
-    const T x = k[i] - M[i], e = vexp(-std::abs(x));
-    const bool up = x > 0;
-    const T keep = up ? e : T(1), w = up ? T(1) : e, old = Dn[i] * keep;
-    M[i] = up ? k[i] : M[i];
-    N[i] = N[i] * keep + w * v[i];
-    Dn[i] = old + w;
+    // one exp: e^{-x} rescales the sums when k moves the reference, else e^x is k's weight; the
+    // choices as arithmetic on up = 0 or 1 (exact), which GCC vectorizes where it would not a select
+    // between types
+    const T x = k[i] - M[i], up = x > T(SHIFT) ? T(1) : T(0), dn = 1 - up;
+    const T e = vexp(x * (dn - up)), keep = up * e + dn, w = up + dn * e;
+    M[i] = up * k[i] + dn * M[i];
+    const A old = Dn[i] * A(keep);
+    N[i] = N[i] * A(keep) + A(w) * A(v[i]);
+    Dn[i] = old + A(w);
     if (Out) {
-      o[i] = N[i] / (Dn[i] * (1 + vexp(-q[i])));
+      o[i] = T(N[i]) / (T(Dn[i]) * (1 + vexp(-q[i])));
     } else {
-      const T inv = 1 / Dn[i];
+      const A inv = 1 / Dn[i];
       r[i] = N[i] * inv;
-      a[i] = w * inv;
+      a[i] = A(w) * inv;
       c[i] = old * inv;
     }
   }
 }
 
-// The carried sums of a thread's channels: running max M, N', D'
+// The carried sums of a thread's channels: the reference M (a key: the storage type holds it
+// exactly), N', D'
 template <typename T>
 struct Carry {
-  std::vector<T> M, N, Dn;
+  std::vector<T> M;
+  std::vector<A> N, Dn;
   explicit Carry(int64_t n) : M(n), N(n), Dn(n) {}
 
-  // to or from checkpoint p (which = 0, 1, 2: M, N', D')
+  // to or from checkpoint p: (M, N', D') as [3, B * H * D] doubles
   void store(const AftArgs& a, const std::vector<Tile>& tiles, int64_t p, bool save) {
     const int64_t C = a.B * a.H * a.D;
-    T* base = static_cast<T*>(a.ckpt) + p * 3 * C;
-    std::vector<T>* xs[3] = {&M, &N, &Dn};
-    for (const Tile& w : tiles)
-      for (int j = 0; j < 3; ++j) {
-        T* c = base + j * C + channel(a, w);
-        T* x = xs[j]->data() + w.off;
-        if (save)
-          std::copy(x, x + w.n, c);
-        else
-          std::copy(c, c + w.n, x);
+    A* base = static_cast<A*>(a.ckpt) + p * 3 * C;
+    for (const Tile& w : tiles) {
+      A *cm = base + channel(a, w), *cn = cm + C, *cd = cn + C;
+      T* m = &M[w.off];
+      if (save) {
+        std::copy(m, m + w.n, cm);
+        std::copy(&N[w.off], &N[w.off] + w.n, cn);
+        std::copy(&Dn[w.off], &Dn[w.off] + w.n, cd);
+      } else {
+        for (int64_t i = 0; i < w.n; ++i) m[i] = T(cm[i]);
+        std::copy(cn, cn + w.n, &N[w.off]);
+        std::copy(cd, cd + w.n, &Dn[w.off]);
       }
+    }
   }
 };
 
@@ -186,8 +197,8 @@ void backward(const AftArgs& a) {
     const std::vector<Tile> tiles = thread_tiles(a);
     const int64_t n = channels(tiles), E = a.every;
     Carry<T> s(n);
-    std::vector<T> r(E * n), ea(E * n), c(E * n);         // a stretch's r, a and c, step by step
-    std::vector<T> Rc(n, T(0)), Qc(n, T(0)), Cn(n, T(0));  // per channel: R', Q' and c of the step after
+    std::vector<A> r(E * n), ea(E * n), c(E * n);         // a stretch's r, a and c, step by step
+    std::vector<A> Rc(n, A(0)), Qc(n, A(0)), Cn(n, A(0));  // per channel: R', Q' and c of the step after
     T *dq = static_cast<T*>(a.dq), *dk = static_cast<T*>(a.dk), *dv = static_cast<T*>(a.dv);
     for (int64_t p = (a.T - 1) / E; p >= 0; --p) {
       const int64_t t0 = p * E, t1 = std::min(a.T, t0 + E);
@@ -203,15 +214,16 @@ void backward(const AftArgs& a) {
         for (const Tile& w : tiles) {
           const T *q = row<T>(a.q, a.sq, w, t), *v = row<T>(a.v, a.sv, w, t), *g = row<T>(a.dout, a.sdo, w, t);
           const int64_t x = at(a, w, t), y = (t - t0) * n + w.off;
-          const T *rt = &r[y], *at_ = &ea[y], *ct = &c[y];
-          T *R = &Rc[w.off], *Q = &Qc[w.off], *C = &Cn[w.off], *dqt = dq + x, *dkt = dk + x, *dvt = dv + x;
+          const A *rt = &r[y], *at_ = &ea[y], *ct = &c[y];
+          A *R = &Rc[w.off], *Q = &Qc[w.off], *C = &Cn[w.off];
+          T *dqt = dq + x, *dkt = dk + x, *dvt = dv + x;
 #pragma omp simd
           for (int64_t i = 0; i < w.n; ++i) {
-            const T sg = 1 / (1 + vexp(-q[i])), gs = g[i] * sg;
-            const T Ri = gs + C[i] * R[i], Qi = gs * rt[i] + C[i] * Q[i];
-            dvt[i] = at_[i] * Ri;
-            dkt[i] = at_[i] * (v[i] * Ri - Qi);
-            dqt[i] = g[i] * rt[i] * sg * (1 - sg);
+            const T sg = 1 / (1 + vexp(-q[i]));
+            const A gs = A(g[i] * sg), Ri = gs + C[i] * R[i], Qi = gs * rt[i] + C[i] * Q[i];
+            dvt[i] = T(at_[i] * Ri);
+            dkt[i] = T(at_[i] * (v[i] * Ri - Qi));
+            dqt[i] = T(g[i] * rt[i]) * sg * (1 - sg);
             R[i] = Ri;
             Q[i] = Qi;
             C[i] = ct[i];

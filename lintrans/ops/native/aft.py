@@ -57,11 +57,11 @@ def _suffix(dtype) -> str:
 
 def forward(q, k, v, save: bool):
     """(o [B, T, H, D] contiguous, ckpt): ckpt, for backward (None unless ``save``), holds the carried
-    sums every CHECKPOINT_STEPS steps, [ncp, 3, B * H * D]."""
+    sums every CHECKPOINT_STEPS steps, float64 [ncp, 3, B * H * D] (the kernel carries them in double)."""
     q, k, v = map(_last_contiguous, (q, k, v))
     B, T, H, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype)
-    ckpt = torch.empty(-(-T // CHECKPOINT_STEPS), 3, B * H * D, dtype=q.dtype) if save else None
+    ckpt = torch.empty(-(-T // CHECKPOINT_STEPS), 3, B * H * D, dtype=torch.float64) if save else None
     a = _args(q, k, v)
     a.q, a.k, a.v, a.o, a.ckpt = _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(ckpt)
     getattr(library(), f"lt_aft_simple_forward_{_suffix(q.dtype)}")(ctypes.byref(a))
@@ -73,7 +73,7 @@ def backward(q, k, v, ckpt, do):
     q, k, v, do = map(_last_contiguous, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype) for _ in range(3))
     a = _args(q, k, v, do)
-    assert ckpt.shape[0] == -(-q.shape[1] // a.every)
+    assert ckpt.dtype == torch.float64 and ckpt.shape[0] == -(-q.shape[1] // a.every)
     a.q, a.k, a.v, a.ckpt, a.dout = _ptr(q), _ptr(k), _ptr(v), _ptr(ckpt), _ptr(do)
     a.dq, a.dk, a.dv = _ptr(dq), _ptr(dk), _ptr(dv)
     getattr(library(), f"lt_aft_simple_backward_{_suffix(q.dtype)}")(ctypes.byref(a))
