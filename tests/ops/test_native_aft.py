@@ -137,6 +137,25 @@ def test_float64_keys_beyond_any_exp(path):
     assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-9, 1e-10)
 
 
+def test_keys_of_minus_infinity_weigh_nothing(path):
+    """Keys of -inf (a mask) at the start and inside: rows with a finite key so far equal the
+    reference, outputs and gradients, and those keys get no gradient (NaN where no key is finite
+    yet, as in the reference)."""
+    q, k, v = inputs(2, 12, 2, 3, seed=15)
+    k[:, :2, 0] = float("-inf")  # head 0: the first two keys masked
+    k[:, 5, :, 1] = float("-inf")
+    dout = torch.randn(2, 12, 2, 3, dtype=torch.float64)
+    got, want = outputs_and_grads(q, k, v, dout), reference(q, k, v, dout)
+    live = torch.ones(2, 12, 2, 3, dtype=torch.bool)
+    live[:, :2, 0] = False
+    assert torch.isnan(want[0][~live]).all() and torch.isnan(got[0][~live]).all()
+    for name, a, b in zip(["o", "dq", "dv"], got[:2] + got[3:], want[:2] + want[3:]):
+        torch.testing.assert_close(a[live], b[live], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    masked = torch.isinf(k) & live
+    torch.testing.assert_close(got[2][~torch.isinf(k)], want[2][~torch.isinf(k)], rtol=1e-10, atol=1e-10)
+    assert (got[2][masked] == 0).all() and (got[3][masked] == 0).all()
+
+
 def test_long_sequence_float32_precision(path):
     """float32 over 16384 tokens (sums of thousands of terms: accumulated in float32 they would be
     off by ~1e-5) against float64, outputs and gradients, to a few float32 roundings."""

@@ -5,12 +5,13 @@
 // the keys so far, moved to the newest key (the sums rescaled by e^{M_old - M_new}) whenever that one
 // exceeds M by more than SHIFT: the flash-attention trick along time, lazily, so that the sums are
 // rescaled a handful of times per sequence rather than at every new maximum (each rescale rounds the
-// whole sum once). Every term is at most e^SHIFT and D' >= 1 (the largest key so far weighs at least
-// e^0), whatever the keys. The sums, and every quantity carried along T, are double precision: a
-// float32 running sum over thousands of terms would lose digits (torch's CPU cumsum accumulates in
-// double too). For backward, forward saves only (M, N', D') every `every` steps, from which backward
-// recomputes what it needs a stretch at a time (T-sized saved tensors would cost their writes, their
-// reads and, past glibc's mmap threshold, their page faults on every call).
+// whole sum once). Every term is at most e^SHIFT and D' >= 1 from the first finite key on (the
+// largest key so far weighs at least e^0), whatever the keys. The sums, and every quantity carried
+// along T, are double precision: a float32 running sum over thousands of terms would lose digits
+// (torch's CPU cumsum accumulates in double too). For backward, forward saves only (M, N', D') every
+// `every` steps, from which backward recomputes what it needs a stretch at a time (T-sized saved
+// tensors would cost their writes, their reads and, past glibc's mmap threshold, their page faults
+// on every call).
 // Backward is one reverse pass; with g_t = do_t sigmoid(q_t), the gradient reaching N_t is g_t / D_t
 // and the one reaching D_t is -g_t r_t / D_t. Carried relative to D_j, with L_t = log D_t:
 //   R'_j = sum_{t>=j} g_t e^{L_j - L_t} = g_j + c_{j+1} R'_{j+1},  c_t = e^{L_{t-1} - L_t} = D_{t-1} / D_t,
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 extern "C" {
@@ -79,7 +81,9 @@ std::vector<Tile> thread_tiles(const AftArgs& a) {
   return tiles;
 }
 
-inline int64_t channels(const std::vector<Tile>& tiles) { return tiles.empty() ? 0 : tiles.back().off + tiles.back().n; }
+inline int64_t channels(const std::vector<Tile>& tiles) {
+  return tiles.empty() ? 0 : tiles.back().off + tiles.back().n;
+}
 
 inline int64_t tile_threads(const AftArgs& a) {
   const int64_t tiles = a.B * a.H * ((a.D + TILE - 1) / TILE);
@@ -97,37 +101,22 @@ inline int64_t channel(const AftArgs& a, const Tile& w) { return (w.b * a.H + w.
 // offset of (b, t, h, d0) in a contiguous [B, T, H, D] tensor
 inline int64_t at(const AftArgs& a, const Tile& w, int64_t t) { return ((w.b * a.T + t) * a.H + w.h) * a.D + w.d0; }
 
-// One step of the forward pass over a tile's n channels, given the carried M, N', D' (set at the
-// first step). Out: write o (from q); else what backward needs of the step (its recomputation of a
-// stretch): r_t, a_t = e^{k_t} / D_t = w_t / D'_t and c_t = D_{t-1} / D_t = keep_t D'_{t-1} / D'_t,
-// w_t the step's weight of k_t and keep_t its rescale of the old sums (1 unless the reference moves).
+// One step of the forward pass over a tile's n channels, given the carried M, N', D'. Out: write o
+// (from q); else what backward needs of the step (its recomputation of a stretch): r_t,
+// a_t = e^{k_t} / D_t = w_t / D'_t and c_t = D_{t-1} / D_t = keep_t D'_{t-1} / D'_t, w_t the step's
+// weight of k_t and keep_t its rescale of the old sums (1 unless the reference moves).
 template <typename T, bool Out>
-inline void forward_step(int64_t n, bool first, const T* q, const T* k, const T* v, T* M, A* N, A* Dn, T* o, A* r,
-                         A* a, A* c) {
-  if (first) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      M[i] = k[i];
-      N[i] = v[i];
-      Dn[i] = 1;
-      if (Out) {
-        o[i] = v[i] / (1 + vexp(-q[i]));
-      } else {
-        r[i] = v[i];
-        a[i] = 1;
-        c[i] = 0;  // nothing before the first step
-      }
-    }
-    return;
-  }
+inline void forward_step(int64_t n, const T* q, const T* k, const T* v, T* M, A* N, A* Dn, T* o, A* r, A* a, A* c) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    // one exp: e^{-x} rescales the sums when k moves the reference, else e^x is k's weight; the
-    // choices as arithmetic on up = 0 or 1 (exact), which GCC vectorizes where it would not a select
-    // between types
-    const T x = k[i] - M[i], up = x > T(SHIFT) ? T(1) : T(0), dn = 1 - up;
+    // one exp: e^{-x} rescales the sums when k moves the reference, else e^x is k's weight (0 for a
+    // key of -inf); the choices as arithmetic on up = 0 or 1 (exact), which GCC vectorizes where it
+    // would not a select between float and double
+    const T x = k[i] - M[i];
+    const bool move = x > T(SHIFT);
+    const T up = move ? T(1) : T(0), dn = 1 - up;
     const T e = vexp(x * (dn - up)), keep = up * e + dn, w = up + dn * e;
-    M[i] = up * k[i] + dn * M[i];
+    M[i] = move ? k[i] : M[i];
     const A old = Dn[i] * A(keep);
     N[i] = N[i] * A(keep) + A(w) * A(v[i]);
     Dn[i] = old + A(w);
@@ -148,7 +137,15 @@ template <typename T>
 struct Carry {
   std::vector<T> M;
   std::vector<A> N, Dn;
-  explicit Carry(int64_t n) : M(n), N(n), Dn(n) {}
+  explicit Carry(int64_t n) : M(n), N(n), Dn(n) { reset(); }
+
+  // before the first step: empty sums, and a reference below any key, so that the first finite key
+  // moves it (rescaling the empty sums by e^{-inf} = 0) and keys of -inf weigh 0 (no inf - inf)
+  void reset() {
+    std::fill(M.begin(), M.end(), std::numeric_limits<T>::lowest());
+    std::fill(N.begin(), N.end(), A(0));
+    std::fill(Dn.begin(), Dn.end(), A(0));
+  }
 
   // to or from checkpoint p: (M, N', D') as [3, B * H * D] doubles
   void store(const AftArgs& a, const std::vector<Tile>& tiles, int64_t p, bool save) {
@@ -181,8 +178,8 @@ void forward(const AftArgs& a) {
       if (a.ckpt && t > 0 && t % a.every == 0) s.store(a, tiles, t / a.every, true);
       for (const Tile& w : tiles) {
         const T *q = row<T>(a.q, a.sq, w, t), *k = row<T>(a.k, a.sk, w, t), *v = row<T>(a.v, a.sv, w, t);
-        forward_step<T, true>(w.n, t == 0, q, k, v, &s.M[w.off], &s.N[w.off], &s.Dn[w.off], o + at(a, w, t), nullptr,
-                              nullptr, nullptr);
+        forward_step<T, true>(w.n, q, k, v, &s.M[w.off], &s.N[w.off], &s.Dn[w.off], o + at(a, w, t), nullptr, nullptr,
+                              nullptr);
       }
     }
   }
@@ -202,13 +199,16 @@ void backward(const AftArgs& a) {
     T *dq = static_cast<T*>(a.dq), *dk = static_cast<T*>(a.dk), *dv = static_cast<T*>(a.dv);
     for (int64_t p = (a.T - 1) / E; p >= 0; --p) {
       const int64_t t0 = p * E, t1 = std::min(a.T, t0 + E);
-      if (p > 0) s.store(a, tiles, p, false);
+      if (p > 0)
+        s.store(a, tiles, p, false);
+      else
+        s.reset();
       for (int64_t t = t0; t < t1; ++t)
         for (const Tile& w : tiles) {
           const T *k = row<T>(a.k, a.sk, w, t), *v = row<T>(a.v, a.sv, w, t);
           const int64_t x = (t - t0) * n + w.off;
-          forward_step<T, false>(w.n, t == 0, nullptr, k, v, &s.M[w.off], &s.N[w.off], &s.Dn[w.off], nullptr, &r[x],
-                                 &ea[x], &c[x]);
+          forward_step<T, false>(w.n, nullptr, k, v, &s.M[w.off], &s.N[w.off], &s.Dn[w.off], nullptr, &r[x], &ea[x],
+                                 &c[x]);
         }
       for (int64_t t = t1 - 1; t >= t0; --t) {
         for (const Tile& w : tiles) {

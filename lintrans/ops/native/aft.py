@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 
 from . import enabled, library
+from .chunked import _last_contiguous, _ptr, _suffix  # the same small helpers
 
-# steps between the carried sums forward saves for backward (which recomputes the steps between,
-# a stretch's r and L kept in cache: STEPS x a thread's channels x 2)
+# steps between the carried sums forward saves for backward, which recomputes the steps between
+# into buffers that stay in cache (STEPS x a thread's channels x 3 doubles)
 CHECKPOINT_STEPS = 64
+
 _p = ctypes.c_void_p
 _i3 = ctypes.c_int64 * 3
 
@@ -28,14 +29,6 @@ def supports(q, k, v) -> bool:
             and enabled() and library() is not None)
 
 
-def _ptr(x: Optional[torch.Tensor]):
-    return None if x is None else x.data_ptr()
-
-
-def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _args(*xs: torch.Tensor) -> AftArgs:
     """Shapes and strides of the inputs xs [B, T, H, D]; when every one has its heads side by side
     (stride of H = D), H * D counts as one row of channels (longer vector loops, fewer tiles)."""
@@ -49,10 +42,6 @@ def _args(*xs: torch.Tensor) -> AftArgs:
         a.sdo = strides[3]
     a.every, a.threads = CHECKPOINT_STEPS, torch.get_num_threads()
     return a
-
-
-def _suffix(dtype) -> str:
-    return "f32" if dtype == torch.float32 else "f64"
 
 
 def forward(q, k, v, save: bool):
