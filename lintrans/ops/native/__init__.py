@@ -84,6 +84,7 @@ def build(verbose: bool = False) -> Path:
     return out
 
 
+@torch.compiler.disable  # found once, outside any graph torch.compile traces
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, building it on first use; None when off or unavailable (warned once)."""
     global _lib, _tried
