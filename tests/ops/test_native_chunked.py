@@ -119,6 +119,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
 
 
 @needs_native
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):
     """torch.compile cannot trace the ctypes call: it must break the graph there cleanly, not fail."""
     calls = counted(monkeypatch)
