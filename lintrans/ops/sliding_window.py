@@ -12,12 +12,15 @@ for scores, never T x T: queries go in blocks against the slice of keys their ba
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
+from .linear import _without_autocast
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 
 
@@ -85,6 +88,186 @@ def _check_common(window, dilation, causal, scale):
     check_number("scale", scale, allow_none=True)
 
 
+# Query rows per block of the causal fast path, and tokens x heads per group of blocks: a group's
+# scores and buffers (a few MB) stay in cache and are reused (docs/benchmarks.md, "The sliding
+# window, block by block")
+SW_BLOCK = 64
+SW_GROUP_TOKEN_HEADS = 4096
+
+
+@functools.lru_cache(maxsize=16)
+def _band_bias(C: int, m: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[C, (m + 1) C]: 0 where query row i of a block may see column l of its key window (the m key
+    blocks before it and its own), -inf elsewhere; key position - query position = l - m C - i."""
+    i = torch.arange(C, device=device)[:, None]
+    d = m * C + i - torch.arange((m + 1) * C, device=device)[None, :]  # query - key position
+    return torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
+
+
+class _Plan(NamedTuple):
+    window: int
+    scale: float
+    C: int  # query rows per block
+    m: int  # key blocks before a query block that its band may reach
+    G: int  # query blocks per group (>= m)
+    dtype: torch.dtype  # compute dtype
+
+
+def _plan(B: int, T: int, H: int, window: int, scale: float, dtype: torch.dtype) -> _Plan:
+    C = min(SW_BLOCK, T)
+    n = -(-T // C)
+    m = min(-(-(window - 1) // C), n - 1)
+    G = max(m, 1, min(n, SW_GROUP_TOKEN_HEADS // (B * H * C)))
+    return _Plan(window, scale, C, m, G, dtype)
+
+
+def _load(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0 .. r1 of x [B, T, H, D] (zeros outside 0 .. T) into buf [B, H, r1 - r0, D], head-first."""
+    T = x.shape[1]
+    a, b = max(r0, 0), min(r1, T)
+    if a > r0:
+        buf[:, :, : a - r0].zero_()
+    if b < r1:
+        buf[:, :, b - r0 :].zero_()
+    buf[:, :, a - r0 : b - r0] = x[:, a:b].transpose(1, 2)
+    return buf
+
+
+def _windows(buf: torch.Tensor, bh: int, G: int, C: int, L: int) -> torch.Tensor:
+    """Head bh's key windows [G, L, D] of buf [B*H, (G + m) C, D]: block g's window starts at row g C
+    (overlapping views, nothing copied)."""
+    x = buf[bh]
+    D = x.shape[-1]
+    return x.as_strided((G, L, D), (C * x.stride(0), x.stride(0), x.stride(1)), x.storage_offset())
+
+
+class _SlidingWindowCausal(torch.autograd.Function):
+    """Causal sliding-window softmax (dilation 1, no global tokens), flash-style, block by block.
+
+    Queries go in blocks of C rows; block b's band lies in the m key blocks before it and its own,
+    L = (m + 1) C keys, a strided window of a group's key buffer (no gathered copies). Blocks are
+    taken G at a time (about ``SW_GROUP_TOKEN_HEADS`` tokens x heads), so every temporary is a
+    group's worth and is reused. Forward keeps only the output and each row's logsumexp; backward
+    recomputes the probabilities from them and runs over the groups in reverse, carrying the key
+    and value gradients of the m blocks a group shares with the one before it.
+    """
+
+    @staticmethod
+    @_without_autocast
+    def forward(ctx, q, k, v, p: _Plan):
+        B, T, H, Dk = q.shape
+        Dv = v.shape[-1]
+        C, m, G, dt = p.C, p.m, p.G, p.dtype
+        n = -(-T // C)
+        L, BH = (m + 1) * C, B * H
+        bias = _band_bias(C, m, p.window, dt, q.device)
+        o = torch.empty(B, T, H, Dv, dtype=dt, device=q.device)
+        lse = torch.empty(B, H, n * C, dtype=dt, device=q.device)
+        qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
+        kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
+        vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
+        S = q.new_empty(BH, G, C, L, dtype=dt)
+        ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        for b0 in range(0, n, G):
+            g = min(G, n - b0)
+            t0, t1 = b0 * C, (b0 + g) * C
+            _load(qb[:, :, : g * C], q, t0, t1)
+            _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
+            _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
+            s, q3, k3, v3, o3 = S[:, :g], qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv), ob.view(BH, -1, Dv)
+            for bh in range(BH):
+                torch.baddbmm(bias, q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2),
+                              alpha=p.scale, out=s[bh])
+            for j in range(min(m - b0, g)):  # blocks whose window starts before position 0
+                s[:, j, :, : (m - b0 - j) * C] = float("-inf")
+            mx = s.amax(-1, keepdim=True)
+            s.sub_(mx).exp_()
+            den = s.sum(-1, keepdim=True)
+            for bh in range(BH):
+                torch.bmm(s[bh], _windows(v3, bh, g, C, L), out=o3[bh, : g * C].view(g, C, Dv))
+            o3 = o3[:, : g * C].view(BH, g, C, Dv).div_(den)
+            torch.add(mx, den.log_(), out=lse[:, :, t0:t1].view(BH, g, C, 1))
+            e = min(t1, T)
+            o[:, t0:e] = ob[:, :, : e - t0].transpose(1, 2)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.p = p
+        return o.to(v.dtype)
+
+    @staticmethod
+    @once_differentiable
+    @_without_autocast
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        p = ctx.p
+        B, T, H, Dk = q.shape
+        Dv = v.shape[-1]
+        C, m, G, dt = p.C, p.m, p.G, p.dtype
+        n = -(-T // C)
+        L, BH = (m + 1) * C, B * H
+        bias = _band_bias(C, m, p.window, dt, q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
+        kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
+        vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
+        dob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        dqb = q.new_empty(BH, G, C, Dk, dtype=dt)
+        # key/value gradients of the group's window rows: its own G blocks after the m before them;
+        # the first m blocks carry over to the group before (processed next)
+        dkb = q.new_zeros(BH, G + m, C, Dk, dtype=dt)
+        dvb = q.new_zeros(BH, G + m, C, Dv, dtype=dt)
+        dkw = q.new_empty(BH, G, L, Dk, dtype=dt)
+        dvw = q.new_empty(BH, G, L, Dv, dtype=dt)
+        P = q.new_empty(BH, G, C, L, dtype=dt)
+        dP = q.new_empty(BH, G, C, L, dtype=dt)
+        starts = list(range(0, n, G))
+        for i, b0 in enumerate(reversed(starts)):
+            g = min(G, n - b0)
+            t0, t1 = b0 * C, (b0 + g) * C
+            e = min(t1, T)
+            _load(qb[:, :, : g * C], q, t0, t1)
+            _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
+            _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
+            _load(dob[:, :, : g * C], do, t0, t1)
+            _load(ob[:, :, : g * C], o, t0, t1)
+            q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
+            do3, o3 = dob.view(BH, -1, Dv)[:, : g * C], ob.view(BH, -1, Dv)[:, : g * C]
+            delta = torch.linalg.vecdot(do3, o3).view(BH, g, C, 1)  # rowsum(dO * O)
+            s, ds = P[:, :g], dP[:, :g]
+            for bh in range(BH):
+                torch.baddbmm(bias, q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2),
+                              alpha=p.scale, out=s[bh])
+            for j in range(min(m - b0, g)):
+                s[:, j, :, : (m - b0 - j) * C] = float("-inf")
+            s.sub_(lse[:, :, t0:t1].view(BH, g, C, 1)).exp_()  # the probabilities again
+            for bh in range(BH):
+                dob3 = do3[bh].view(g, C, Dv)
+                torch.bmm(dob3, _windows(v3, bh, g, C, L).transpose(1, 2), out=ds[bh])
+                torch.bmm(s[bh].transpose(1, 2), dob3, out=dvw[bh, :g])
+            ds.sub_(delta).mul_(s)  # dS = P (dP - rowsum(dO O)), the scale applied to dQ and dK below
+            for bh in range(BH):
+                torch.bmm(ds[bh], _windows(k3, bh, g, C, L), out=dqb[bh, :g])
+                torch.bmm(ds[bh].transpose(1, 2), q3[bh, : g * C].view(g, C, Dk), out=dkw[bh, :g])
+            # window block j of query block b is key block b + j of the buffer
+            dkw5, dvw5 = dkw[:, :g].view(BH, g, m + 1, C, Dk), dvw[:, :g].view(BH, g, m + 1, C, Dv)
+            for j in range(m + 1):
+                dkb[:, j : j + g].add_(dkw5[:, :, j])
+                dvb[:, j : j + g].add_(dvw5[:, :, j])
+            # the group's own key blocks are complete: the later groups' windows were added before
+            r0, r1 = m * C, m * C + e - t0
+            dq[:, t0:e] = dqb.view(B, H, G * C, Dk)[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
+            dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(p.scale)
+            dv[:, t0:e] = dvb.view(B, H, -1, Dv)[:, :, r0:r1].transpose(1, 2)
+            if i + 1 < len(starts):  # the next (earlier) group's last m blocks
+                gp = min(G, n - starts[-2 - i])
+                carry_k, carry_v = dkb[:, :m].clone(), dvb[:, :m].clone()
+                dkb.zero_()
+                dvb.zero_()
+                dkb[:, gp : gp + m] = carry_k
+                dvb[:, gp : gp + m] = carry_v
+        return dq, dk, dv, None
+
+
 def sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,6 +294,8 @@ def sliding_window_attention(
     gidx = global_positions(global_tokens, T, q.device)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
+    if causal and dilation == 1 and (gidx is None or gidx.numel() == 0):  # the common case, block by block
+        return _SlidingWindowCausal.apply(q, k, v, _plan(B, T, H, window, scale, dtype))
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
     back, fwd = _band_reach(window, dilation, causal)
     # query blocks of C rows, each against the L = C + back + fwd keys its bands cover (plus the
