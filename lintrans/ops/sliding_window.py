@@ -93,15 +93,7 @@ def _check_common(window, dilation, causal, scale):
 # window, block by block")
 SW_BLOCK = 64
 SW_GROUP_TOKEN_HEADS = 4096
-
-
-@functools.lru_cache(maxsize=16)
-def _band_bias(C: int, m: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[C, (m + 1) C]: 0 where query row i of a block may see column l of its key window (the m key
-    blocks before it and its own), -inf elsewhere; key position - query position = l - m C - i."""
-    i = torch.arange(C, device=device)[:, None]
-    d = m * C + i - torch.arange((m + 1) * C, device=device)[None, :]  # query - key position
-    return torch.zeros(d.shape, dtype=dtype, device=device).masked_fill_((d < 0) | (d >= window), float("-inf"))
+LOG2E = 1.4426950408889634  # scores are kept in base 2: exp2 is a much cheaper kernel than exp on a CPU
 
 
 class _Plan(NamedTuple):
@@ -121,6 +113,20 @@ def _plan(B: int, T: int, H: int, window: int, scale: float, dtype: torch.dtype)
     return _Plan(window, scale, C, m, G, dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _edge_masks(p: _Plan, device: torch.device):
+    """The band inside a block's key window [C, L = (m + 1) C] (column l is key position
+    (b - m) C + l for query row i at b C + i) is 0 <= m C + i - l < window: only the first columns
+    (the far edge) and the last key block (the diagonal) hold cut-off entries. Returns (width, bias)
+    pairs, bias [C, width] 0 or -inf, for the columns :width and -C: of the window."""
+    C, m = p.C, p.m
+    L = (m + 1) * C
+    d = m * C + torch.arange(C, device=device)[:, None] - torch.arange(L, device=device)[None, :]
+    bias = torch.zeros(C, L, dtype=p.dtype, device=device).masked_fill_((d < 0) | (d >= p.window), float("-inf"))
+    far = max(0, min(L - C, C - 1 + m * C - p.window + 1))  # columns before the last block with a cut
+    return ((far, bias[:, :far]),) if far else (), bias[:, L - C :]
+
+
 def _load(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     """Rows r0 .. r1 of x [B, T, H, D] (zeros outside 0 .. T) into buf [B, H, r1 - r0, D], head-first."""
     T = x.shape[1]
@@ -133,12 +139,30 @@ def _load(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     return buf
 
 
-def _windows(buf: torch.Tensor, bh: int, G: int, C: int, L: int) -> torch.Tensor:
-    """Head bh's key windows [G, L, D] of buf [B*H, (G + m) C, D]: block g's window starts at row g C
+def _windows(buf: torch.Tensor, bh: int, g: int, C: int, L: int) -> torch.Tensor:
+    """Head bh's key windows [g, L, D] of buf [B*H, rows, D]: block j's window starts at row j C
     (overlapping views, nothing copied)."""
     x = buf[bh]
     D = x.shape[-1]
-    return x.as_strided((G, L, D), (C * x.stride(0), x.stride(0), x.stride(1)), x.storage_offset())
+    return x.as_strided((g, L, D), (C * x.stride(0), x.stride(0), x.stride(1)), x.storage_offset())
+
+
+def _scores(s, q3, k3, p: _Plan, g: int, b0: int) -> torch.Tensor:
+    """Base-2 scores s [B*H, g, C, L] of the group's query blocks (from block b0) against their key
+    windows, -inf outside the band and before position 0."""
+    C, m = p.C, p.m
+    L = (m + 1) * C
+    Dk = q3.shape[-1]
+    for bh in range(s.shape[0]):
+        torch.bmm(q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2), out=s[bh])
+    s.mul_(p.scale * LOG2E)
+    far, last = _edge_masks(p, s.device)
+    for width, bias in far:
+        s[..., :width].add_(bias)
+    s[..., L - C :].add_(last)
+    for j in range(min(m - b0, g)):  # the first blocks' windows start before position 0
+        s[:, j, :, : (m - b0 - j) * C] = float("-inf")
+    return s
 
 
 class _SlidingWindowCausal(torch.autograd.Function):
@@ -160,35 +184,29 @@ class _SlidingWindowCausal(torch.autograd.Function):
         C, m, G, dt = p.C, p.m, p.G, p.dtype
         n = -(-T // C)
         L, BH = (m + 1) * C, B * H
-        bias = _band_bias(C, m, p.window, dt, q.device)
         o = torch.empty(B, T, H, Dv, dtype=dt, device=q.device)
-        lse = torch.empty(B, H, n * C, dtype=dt, device=q.device)
+        lse = torch.empty(B, H, n * C, dtype=dt, device=q.device)  # base 2
         qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
         kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
         vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
         S = q.new_empty(BH, G, C, L, dtype=dt)
-        ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        ob = q.new_empty(BH, G, C, Dv, dtype=dt)
+        q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
         for b0 in range(0, n, G):
             g = min(G, n - b0)
             t0, t1 = b0 * C, (b0 + g) * C
             _load(qb[:, :, : g * C], q, t0, t1)
             _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
             _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
-            s, q3, k3, v3, o3 = S[:, :g], qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv), ob.view(BH, -1, Dv)
-            for bh in range(BH):
-                torch.baddbmm(bias, q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2),
-                              alpha=p.scale, out=s[bh])
-            for j in range(min(m - b0, g)):  # blocks whose window starts before position 0
-                s[:, j, :, : (m - b0 - j) * C] = float("-inf")
+            s = _scores(S[:, :g], q3, k3, p, g, b0)
             mx = s.amax(-1, keepdim=True)
-            s.sub_(mx).exp_()
-            den = s.sum(-1, keepdim=True)
+            den = s.sub_(mx).exp2_().sum(-1, keepdim=True)
             for bh in range(BH):
-                torch.bmm(s[bh], _windows(v3, bh, g, C, L), out=o3[bh, : g * C].view(g, C, Dv))
-            o3 = o3[:, : g * C].view(BH, g, C, Dv).div_(den)
-            torch.add(mx, den.log_(), out=lse[:, :, t0:t1].view(BH, g, C, 1))
+                torch.bmm(s[bh], _windows(v3, bh, g, C, L), out=ob[bh, :g])
+            ob[:, :g].div_(den)
+            torch.add(mx, den.log2_(), out=lse[:, :, t0:t1].view(BH, g, C, 1))
             e = min(t1, T)
-            o[:, t0:e] = ob[:, :, : e - t0].transpose(1, 2)
+            o[:, t0:e] = ob.view(B, H, G * C, Dv)[:, :, : e - t0].transpose(1, 2)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.p = p
         return o.to(v.dtype)
@@ -204,7 +222,6 @@ class _SlidingWindowCausal(torch.autograd.Function):
         C, m, G, dt = p.C, p.m, p.G, p.dtype
         n = -(-T // C)
         L, BH = (m + 1) * C, B * H
-        bias = _band_bias(C, m, p.window, dt, q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
         kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
@@ -212,14 +229,14 @@ class _SlidingWindowCausal(torch.autograd.Function):
         dob = q.new_empty(B, H, G * C, Dv, dtype=dt)
         ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
         dqb = q.new_empty(BH, G, C, Dk, dtype=dt)
-        # key/value gradients of the group's window rows: its own G blocks after the m before them;
-        # the first m blocks carry over to the group before (processed next)
+        # key/value gradients of the group's key rows: the m blocks before its own G blocks (they
+        # carry over to the group before, processed next), then its own
         dkb = q.new_zeros(BH, G + m, C, Dk, dtype=dt)
         dvb = q.new_zeros(BH, G + m, C, Dv, dtype=dt)
-        dkw = q.new_empty(BH, G, L, Dk, dtype=dt)
-        dvw = q.new_empty(BH, G, L, Dv, dtype=dt)
         P = q.new_empty(BH, G, C, L, dtype=dt)
         dP = q.new_empty(BH, G, C, L, dtype=dt)
+        q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
+        do3, o3 = dob.view(BH, -1, Dv), ob.view(BH, -1, Dv)
         starts = list(range(0, n, G))
         for i, b0 in enumerate(reversed(starts)):
             g = min(G, n - b0)
@@ -230,41 +247,31 @@ class _SlidingWindowCausal(torch.autograd.Function):
             _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
             _load(dob[:, :, : g * C], do, t0, t1)
             _load(ob[:, :, : g * C], o, t0, t1)
-            q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
-            do3, o3 = dob.view(BH, -1, Dv)[:, : g * C], ob.view(BH, -1, Dv)[:, : g * C]
-            delta = torch.linalg.vecdot(do3, o3).view(BH, g, C, 1)  # rowsum(dO * O)
-            s, ds = P[:, :g], dP[:, :g]
+            delta = torch.linalg.vecdot(do3[:, : g * C], o3[:, : g * C]).view(BH, g, C, 1)  # rowsum(dO * O)
+            s, ds = _scores(P[:, :g], q3, k3, p, g, b0), dP[:, :g]
+            s.sub_(lse[:, :, t0:t1].view(BH, g, C, 1)).exp2_()  # the probabilities again
             for bh in range(BH):
-                torch.baddbmm(bias, q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2),
-                              alpha=p.scale, out=s[bh])
-            for j in range(min(m - b0, g)):
-                s[:, j, :, : (m - b0 - j) * C] = float("-inf")
-            s.sub_(lse[:, :, t0:t1].view(BH, g, C, 1)).exp_()  # the probabilities again
-            for bh in range(BH):
-                dob3 = do3[bh].view(g, C, Dv)
+                dob3, qb3 = do3[bh, : g * C].view(g, C, Dv), q3[bh, : g * C].view(g, C, Dk)
                 torch.bmm(dob3, _windows(v3, bh, g, C, L).transpose(1, 2), out=ds[bh])
-                torch.bmm(s[bh].transpose(1, 2), dob3, out=dvw[bh, :g])
+                for j in range(m + 1):  # window block j of query block b is block b + j of the buffer
+                    dvb[bh, j : j + g].baddbmm_(s[bh, :, :, j * C : (j + 1) * C].transpose(1, 2), dob3)
             ds.sub_(delta).mul_(s)  # dS = P (dP - rowsum(dO O)), the scale applied to dQ and dK below
             for bh in range(BH):
+                qb3 = q3[bh, : g * C].view(g, C, Dk)
                 torch.bmm(ds[bh], _windows(k3, bh, g, C, L), out=dqb[bh, :g])
-                torch.bmm(ds[bh].transpose(1, 2), q3[bh, : g * C].view(g, C, Dk), out=dkw[bh, :g])
-            # window block j of query block b is key block b + j of the buffer
-            dkw5, dvw5 = dkw[:, :g].view(BH, g, m + 1, C, Dk), dvw[:, :g].view(BH, g, m + 1, C, Dv)
-            for j in range(m + 1):
-                dkb[:, j : j + g].add_(dkw5[:, :, j])
-                dvb[:, j : j + g].add_(dvw5[:, :, j])
+                for j in range(m + 1):
+                    dkb[bh, j : j + g].baddbmm_(ds[bh, :, :, j * C : (j + 1) * C].transpose(1, 2), qb3)
             # the group's own key blocks are complete: the later groups' windows were added before
             r0, r1 = m * C, m * C + e - t0
             dq[:, t0:e] = dqb.view(B, H, G * C, Dk)[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
             dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(p.scale)
             dv[:, t0:e] = dvb.view(B, H, -1, Dv)[:, :, r0:r1].transpose(1, 2)
-            if i + 1 < len(starts):  # the next (earlier) group's last m blocks
-                gp = min(G, n - starts[-2 - i])
+            if i + 1 < len(starts):  # the earlier group's last m blocks are this one's first m
                 carry_k, carry_v = dkb[:, :m].clone(), dvb[:, :m].clone()
                 dkb.zero_()
                 dvb.zero_()
-                dkb[:, gp : gp + m] = carry_k
-                dvb[:, gp : gp + m] = carry_v
+                dkb[:, G : G + m] = carry_k
+                dvb[:, G : G + m] = carry_v
         return dq, dk, dv, None
 
 
