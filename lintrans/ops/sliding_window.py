@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .linear import _without_autocast
+from .linear import LOG2E, _without_autocast
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 
 
@@ -93,7 +93,6 @@ def _check_common(window, dilation, causal, scale):
 # window, block by block")
 SW_BLOCK = 64
 SW_GROUP_TOKEN_HEADS = 4096
-LOG2E = 1.4426950408889634  # scores are kept in base 2: exp2 is a much cheaper kernel than exp on a CPU
 
 
 class _Plan(NamedTuple):
@@ -148,14 +147,14 @@ def _windows(buf: torch.Tensor, bh: int, g: int, C: int, L: int) -> torch.Tensor
 
 
 def _scores(s, q3, k3, p: _Plan, g: int, b0: int) -> torch.Tensor:
-    """Base-2 scores s [B*H, g, C, L] of the group's query blocks (from block b0) against their key
-    windows, -inf outside the band and before position 0."""
+    """Base-2 scores (exp2 is a much cheaper kernel than exp on a CPU) s [B*H, g, C, L] of the group's query blocks (from block b0, scaled by
+    ``scale * LOG2E`` already) against their key windows, -inf outside the band and before
+    position 0."""
     C, m = p.C, p.m
     L = (m + 1) * C
     Dk = q3.shape[-1]
     for bh in range(s.shape[0]):
         torch.bmm(q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2), out=s[bh])
-    s.mul_(p.scale * LOG2E)
     far, last = _edge_masks(p, s.device)
     for width, bias in far:
         s[..., :width].add_(bias)
@@ -195,7 +194,7 @@ class _SlidingWindowCausal(torch.autograd.Function):
         for b0 in range(0, n, G):
             g = min(G, n - b0)
             t0, t1 = b0 * C, (b0 + g) * C
-            _load(qb[:, :, : g * C], q, t0, t1)
+            _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)  # C x D, not C x L, multiplies
             _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
             _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
             s = _scores(S[:, :g], q3, k3, p, g, b0)
@@ -242,7 +241,7 @@ class _SlidingWindowCausal(torch.autograd.Function):
             g = min(G, n - b0)
             t0, t1 = b0 * C, (b0 + g) * C
             e = min(t1, T)
-            _load(qb[:, :, : g * C], q, t0, t1)
+            _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)
             _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
             _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
             _load(dob[:, :, : g * C], do, t0, t1)
@@ -255,7 +254,7 @@ class _SlidingWindowCausal(torch.autograd.Function):
                 torch.bmm(dob3, _windows(v3, bh, g, C, L).transpose(1, 2), out=ds[bh])
                 for j in range(m + 1):  # window block j of query block b is block b + j of the buffer
                     dvb[bh, j : j + g].baddbmm_(s[bh, :, :, j * C : (j + 1) * C].transpose(1, 2), dob3)
-            ds.sub_(delta).mul_(s)  # dS = P (dP - rowsum(dO O)), the scale applied to dQ and dK below
+            ds.sub_(delta).mul_(s)  # dS = P (dP - rowsum(dO O)); the scale goes on dQ, and dK's q is scaled
             for bh in range(BH):
                 qb3 = q3[bh, : g * C].view(g, C, Dk)
                 torch.bmm(ds[bh], _windows(k3, bh, g, C, L), out=dqb[bh, :g])
@@ -264,7 +263,7 @@ class _SlidingWindowCausal(torch.autograd.Function):
             # the group's own key blocks are complete: the later groups' windows were added before
             r0, r1 = m * C, m * C + e - t0
             dq[:, t0:e] = dqb.view(B, H, G * C, Dk)[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
-            dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(p.scale)
+            dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(1 / LOG2E)
             dv[:, t0:e] = dvb.view(B, H, -1, Dv)[:, :, r0:r1].transpose(1, 2)
             if i + 1 < len(starts):  # the earlier group's last m blocks are this one's first m
                 carry_k, carry_v = dkb[:, :m].clone(), dvb[:, :m].clone()
