@@ -92,7 +92,7 @@ def _check_common(window, dilation, causal, scale):
 # scores and buffers (a few MB) stay in cache and are reused (docs/benchmarks.md, "The sliding
 # window, block by block")
 SW_BLOCK = 64
-SW_GROUP_TOKEN_HEADS = 4096
+SW_GROUP_TOKEN_HEADS = 8192
 
 
 class _Plan(NamedTuple):
@@ -138,29 +138,26 @@ def _load(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     return buf
 
 
-def _windows(buf: torch.Tensor, bh: int, g: int, C: int, L: int) -> torch.Tensor:
-    """Head bh's key windows [g, L, D] of buf [B*H, rows, D]: block j's window starts at row j C
+def _windows(x: torch.Tensor, g: int, C: int, L: int) -> torch.Tensor:
+    """One head's key windows [g, L, D] of its rows x [rows, D]: block j's window starts at row j C
     (overlapping views, nothing copied)."""
-    x = buf[bh]
     D = x.shape[-1]
     return x.as_strided((g, L, D), (C * x.stride(0), x.stride(0), x.stride(1)), x.storage_offset())
 
 
-def _scores(s, q3, k3, p: _Plan, g: int, b0: int) -> torch.Tensor:
-    """Base-2 scores (exp2 is a much cheaper kernel than exp on a CPU) s [B*H, g, C, L] of the group's query blocks (from block b0, scaled by
-    ``scale * LOG2E`` already) against their key windows, -inf outside the band and before
-    position 0."""
+def _scores(s, qh, kh, p: _Plan, g: int, b0: int) -> torch.Tensor:
+    """One head's base-2 scores s [g, C, L] (exp2 is a much cheaper kernel than exp on a CPU): its
+    query blocks qh [g C, Dk] from block b0 (scaled by ``scale * LOG2E`` already) against their key
+    windows in kh [(g + m) C, Dk], -inf outside the band and before position 0."""
     C, m = p.C, p.m
     L = (m + 1) * C
-    Dk = q3.shape[-1]
-    for bh in range(s.shape[0]):
-        torch.bmm(q3[bh, : g * C].view(g, C, Dk), _windows(k3, bh, g, C, L).transpose(1, 2), out=s[bh])
+    torch.bmm(qh.view(g, C, -1), _windows(kh, g, C, L).transpose(1, 2), out=s)
     far, last = _edge_masks(p, s.device)
     for width, bias in far:
         s[..., :width].add_(bias)
     s[..., L - C :].add_(last)
     for j in range(min(m - b0, g)):  # the first blocks' windows start before position 0
-        s[:, j, :, : (m - b0 - j) * C] = float("-inf")
+        s[j, :, : (m - b0 - j) * C] = float("-inf")
     return s
 
 
@@ -169,10 +166,11 @@ class _SlidingWindowCausal(torch.autograd.Function):
 
     Queries go in blocks of C rows; block b's band lies in the m key blocks before it and its own,
     L = (m + 1) C keys, a strided window of a group's key buffer (no gathered copies). Blocks are
-    taken G at a time (about ``SW_GROUP_TOKEN_HEADS`` tokens x heads), so every temporary is a
-    group's worth and is reused. Forward keeps only the output and each row's logsumexp; backward
-    recomputes the probabilities from them and runs over the groups in reverse, carrying the key
-    and value gradients of the m blocks a group shares with the one before it.
+    taken G at a time (about ``SW_GROUP_TOKEN_HEADS`` tokens x heads) and a group's heads one by
+    one, so that every temporary is a group's or a head's worth, stays in cache and is reused.
+    Forward keeps only the output and each row's logsumexp; backward recomputes the probabilities
+    from them and runs over the groups in reverse, carrying the key and value gradients of the m
+    blocks a group shares with the one before it.
     """
 
     @staticmethod
@@ -184,28 +182,27 @@ class _SlidingWindowCausal(torch.autograd.Function):
         n = -(-T // C)
         L, BH = (m + 1) * C, B * H
         o = torch.empty(B, T, H, Dv, dtype=dt, device=q.device)
-        lse = torch.empty(B, H, n * C, dtype=dt, device=q.device)  # base 2
+        lse = torch.empty(BH, n, C, 1, dtype=dt, device=q.device)  # base 2
         qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
         kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
         vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
-        S = q.new_empty(BH, G, C, L, dtype=dt)
-        ob = q.new_empty(BH, G, C, Dv, dtype=dt)
-        q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
+        ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        S = q.new_empty(G, C, L, dtype=dt)
+        q3, k3, v3, o3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv), ob.view(BH, G, C, Dv)
         for b0 in range(0, n, G):
             g = min(G, n - b0)
             t0, t1 = b0 * C, (b0 + g) * C
             _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)  # C x D, not C x L, multiplies
             _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
             _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
-            s = _scores(S[:, :g], q3, k3, p, g, b0)
-            mx = s.amax(-1, keepdim=True)
-            den = s.sub_(mx).exp2_().sum(-1, keepdim=True)
             for bh in range(BH):
-                torch.bmm(s[bh], _windows(v3, bh, g, C, L), out=ob[bh, :g])
-            ob[:, :g].div_(den)
-            torch.add(mx, den.log2_(), out=lse[:, :, t0:t1].view(BH, g, C, 1))
+                s = _scores(S[:g], q3[bh, : g * C], k3[bh], p, g, b0)
+                mx = s.amax(-1, keepdim=True)
+                den = s.sub_(mx).exp2_().sum(-1, keepdim=True)
+                ohb = torch.bmm(s, _windows(v3[bh], g, C, L), out=o3[bh, :g]).div_(den)
+                torch.add(mx, den.log2_(), out=lse[bh, b0 : b0 + g])
             e = min(t1, T)
-            o[:, t0:e] = ob.view(B, H, G * C, Dv)[:, :, : e - t0].transpose(1, 2)
+            o[:, t0:e] = ob[:, :, : e - t0].transpose(1, 2)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.p = p
         return o.to(v.dtype)
@@ -227,15 +224,15 @@ class _SlidingWindowCausal(torch.autograd.Function):
         vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
         dob = q.new_empty(B, H, G * C, Dv, dtype=dt)
         ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
-        dqb = q.new_empty(BH, G, C, Dk, dtype=dt)
+        dqb = q.new_empty(B, H, G * C, Dk, dtype=dt)
         # key/value gradients of the group's key rows: the m blocks before its own G blocks (they
         # carry over to the group before, processed next), then its own
         dkb = q.new_zeros(BH, G + m, C, Dk, dtype=dt)
         dvb = q.new_zeros(BH, G + m, C, Dv, dtype=dt)
-        P = q.new_empty(BH, G, C, L, dtype=dt)
-        dP = q.new_empty(BH, G, C, L, dtype=dt)
+        P = q.new_empty(G, C, L, dtype=dt)
+        dP = q.new_empty(G, C, L, dtype=dt)
         q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
-        do3, o3 = dob.view(BH, -1, Dv), ob.view(BH, -1, Dv)
+        do3, o3, dq3 = dob.view(BH, -1, Dv), ob.view(BH, -1, Dv), dqb.view(BH, G, C, Dk)
         starts = list(range(0, n, G))
         for i, b0 in enumerate(reversed(starts)):
             g = min(G, n - b0)
@@ -247,22 +244,19 @@ class _SlidingWindowCausal(torch.autograd.Function):
             _load(dob[:, :, : g * C], do, t0, t1)
             _load(ob[:, :, : g * C], o, t0, t1)
             delta = torch.linalg.vecdot(do3[:, : g * C], o3[:, : g * C]).view(BH, g, C, 1)  # rowsum(dO * O)
-            s, ds = _scores(P[:, :g], q3, k3, p, g, b0), dP[:, :g]
-            s.sub_(lse[:, :, t0:t1].view(BH, g, C, 1)).exp2_()  # the probabilities again
             for bh in range(BH):
-                dob3, qb3 = do3[bh, : g * C].view(g, C, Dv), q3[bh, : g * C].view(g, C, Dk)
-                torch.bmm(dob3, _windows(v3, bh, g, C, L).transpose(1, 2), out=ds[bh])
+                qh, doh = q3[bh, : g * C].view(g, C, Dk), do3[bh, : g * C].view(g, C, Dv)
+                s = _scores(P[:g], qh, k3[bh], p, g, b0)
+                s.sub_(lse[bh, b0 : b0 + g]).exp2_()  # the probabilities again
+                ds = torch.bmm(doh, _windows(v3[bh], g, C, L).transpose(1, 2), out=dP[:g])
+                ds.sub_(delta[bh]).mul_(s)  # dS = P (dP - rowsum(dO O)); the scale goes on dQ, and dK's q is scaled
+                torch.bmm(ds, _windows(k3[bh], g, C, L), out=dq3[bh, :g])
                 for j in range(m + 1):  # window block j of query block b is block b + j of the buffer
-                    dvb[bh, j : j + g].baddbmm_(s[bh, :, :, j * C : (j + 1) * C].transpose(1, 2), dob3)
-            ds.sub_(delta).mul_(s)  # dS = P (dP - rowsum(dO O)); the scale goes on dQ, and dK's q is scaled
-            for bh in range(BH):
-                qb3 = q3[bh, : g * C].view(g, C, Dk)
-                torch.bmm(ds[bh], _windows(k3, bh, g, C, L), out=dqb[bh, :g])
-                for j in range(m + 1):
-                    dkb[bh, j : j + g].baddbmm_(ds[bh, :, :, j * C : (j + 1) * C].transpose(1, 2), qb3)
+                    dvb[bh, j : j + g].baddbmm_(s[..., j * C : (j + 1) * C].transpose(1, 2), doh)
+                    dkb[bh, j : j + g].baddbmm_(ds[..., j * C : (j + 1) * C].transpose(1, 2), qh)
             # the group's own key blocks are complete: the later groups' windows were added before
             r0, r1 = m * C, m * C + e - t0
-            dq[:, t0:e] = dqb.view(B, H, G * C, Dk)[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
+            dq[:, t0:e] = dqb[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
             dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(1 / LOG2E)
             dv[:, t0:e] = dvb.view(B, H, -1, Dv)[:, :, r0:r1].transpose(1, 2)
             if i + 1 < len(starts):  # the earlier group's last m blocks are this one's first m
