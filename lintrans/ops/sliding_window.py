@@ -138,6 +138,15 @@ def _load(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     return buf
 
 
+def _rows(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows r0 .. r1 of x [B, T, H, D] as [B, H, r1 - r0, D]: a view of x where they all lie in it
+    and x is in ``dtype`` with unit stride along D (the matmuls read it in place), else a copy
+    into buf, zeros outside 0 .. T."""
+    if 0 <= r0 and r1 <= x.shape[1] and x.dtype == dtype and x.stride(-1) == 1:
+        return x[:, r0:r1].transpose(1, 2)
+    return _load(buf[:, :, : r1 - r0], x, r0, r1)
+
+
 def _windows(x: torch.Tensor, g: int, C: int, L: int) -> torch.Tensor:
     """One head's key windows [g, L, D] of its rows x [rows, D]: block j's window starts at row j C
     (overlapping views, nothing copied)."""
@@ -188,18 +197,18 @@ class _SlidingWindowCausal(torch.autograd.Function):
         vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
         ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
         S = q.new_empty(G, C, L, dtype=dt)
-        q3, k3, v3, o3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv), ob.view(BH, G, C, Dv)
+        o3 = ob.view(BH, G, C, Dv)
         for b0 in range(0, n, G):
             g = min(G, n - b0)
             t0, t1 = b0 * C, (b0 + g) * C
             _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)  # C x D, not C x L, multiplies
-            _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
-            _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
+            kg, vg = _rows(kb, k, t0 - m * C, t1, dt), _rows(vb, v, t0 - m * C, t1, dt)
             for bh in range(BH):
-                s = _scores(S[:g], q3[bh, : g * C], k3[bh], p, g, b0)
+                b, h = divmod(bh, H)
+                s = _scores(S[:g], qb[b, h, : g * C], kg[b, h], p, g, b0)
                 mx = s.amax(-1, keepdim=True)
                 den = s.sub_(mx).exp2_().sum(-1, keepdim=True)
-                ohb = torch.bmm(s, _windows(v3[bh], g, C, L), out=o3[bh, :g]).div_(den)
+                torch.bmm(s, _windows(vg[b, h], g, C, L), out=o3[bh, :g]).div_(den)
                 torch.add(mx, den.log2_(), out=lse[bh, b0 : b0 + g])
             e = min(t1, T)
             o[:, t0:e] = ob[:, :, : e - t0].transpose(1, 2)
@@ -223,34 +232,34 @@ class _SlidingWindowCausal(torch.autograd.Function):
         kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
         vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
         dob = q.new_empty(B, H, G * C, Dv, dtype=dt)
-        ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
         dqb = q.new_empty(B, H, G * C, Dk, dtype=dt)
+        delta = q.new_empty(B, H, G * C, dtype=dt)  # rowsum(dO * O), zero on padding rows
         # key/value gradients of the group's key rows: the m blocks before its own G blocks (they
         # carry over to the group before, processed next), then its own
         dkb = q.new_zeros(BH, G + m, C, Dk, dtype=dt)
         dvb = q.new_zeros(BH, G + m, C, Dv, dtype=dt)
         P = q.new_empty(G, C, L, dtype=dt)
         dP = q.new_empty(G, C, L, dtype=dt)
-        q3, k3, v3 = qb.view(BH, -1, Dk), kb.view(BH, -1, Dk), vb.view(BH, -1, Dv)
-        do3, o3, dq3 = dob.view(BH, -1, Dv), ob.view(BH, -1, Dv), dqb.view(BH, G, C, Dk)
+        dq3 = dqb.view(BH, G, C, Dk)
         starts = list(range(0, n, G))
         for i, b0 in enumerate(reversed(starts)):
             g = min(G, n - b0)
             t0, t1 = b0 * C, (b0 + g) * C
             e = min(t1, T)
             _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)
-            _load(kb[:, :, : (g + m) * C], k, t0 - m * C, t1)
-            _load(vb[:, :, : (g + m) * C], v, t0 - m * C, t1)
-            _load(dob[:, :, : g * C], do, t0, t1)
-            _load(ob[:, :, : g * C], o, t0, t1)
-            delta = torch.linalg.vecdot(do3[:, : g * C], o3[:, : g * C]).view(BH, g, C, 1)  # rowsum(dO * O)
+            kg, vg = _rows(kb, k, t0 - m * C, t1, dt), _rows(vb, v, t0 - m * C, t1, dt)
+            dog = _rows(dob, do, t0, t1, dt)
+            delta[:, :, e - t0 :].zero_()
+            delta[:, :, : e - t0] = torch.linalg.vecdot(do[:, t0:e].to(dt), o[:, t0:e]).transpose(1, 2)
             for bh in range(BH):
-                qh, doh = q3[bh, : g * C].view(g, C, Dk), do3[bh, : g * C].view(g, C, Dv)
-                s = _scores(P[:g], qh, k3[bh], p, g, b0)
+                b, h = divmod(bh, H)
+                qh, doh = qb[b, h, : g * C].view(g, C, Dk), dog[b, h].view(g, C, Dv)
+                s = _scores(P[:g], qh, kg[b, h], p, g, b0)
                 s.sub_(lse[bh, b0 : b0 + g]).exp2_()  # the probabilities again
-                ds = torch.bmm(doh, _windows(v3[bh], g, C, L).transpose(1, 2), out=dP[:g])
-                ds.sub_(delta[bh]).mul_(s)  # dS = P (dP - rowsum(dO O)); the scale goes on dQ, and dK's q is scaled
-                torch.bmm(ds, _windows(k3[bh], g, C, L), out=dq3[bh, :g])
+                ds = torch.bmm(doh, _windows(vg[b, h], g, C, L).transpose(1, 2), out=dP[:g])
+                # dS = P (dP - rowsum(dO O)); the scale goes on dQ, and dK's q is scaled
+                ds.sub_(delta[b, h, : g * C].view(g, C, 1)).mul_(s)
+                torch.bmm(ds, _windows(kg[b, h], g, C, L), out=dq3[bh, :g])
                 for j in range(m + 1):  # window block j of query block b is block b + j of the buffer
                     dvb[bh, j : j + g].baddbmm_(s[..., j * C : (j + 1) * C].transpose(1, 2), doh)
                     dkb[bh, j : j + g].baddbmm_(ds[..., j * C : (j + 1) * C].transpose(1, 2), qh)
