@@ -187,6 +187,19 @@ def test_causal_fast_path_gradcheck(fast_path_sizes):
     assert torch.autograd.gradcheck(lambda a, b, c: sliding_window_attention(a, b, c, window=4), (q, k, v))
 
 
+def test_causal_fast_path_large_scores(fast_path_sizes):
+    """Scores of thousands: each row's maximum is taken before exp2, and its logsumexp kept for backward."""
+    q, k, v = inputs(1, 30, 2, 4, 3, seed=10)
+    q, k = q * 40, k * 40
+    dout = torch.randn(1, 30, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    got = _grads(sliding_window_attention, q, k, v, dout, window=6)
+    want = _grads(sliding_window_attention_reference, q, k, v, dout, window=6)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+    o = sliding_window_attention(q.float(), k.float(), v.float(), window=6)
+    assert torch.isfinite(o).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_fast_path_low_precision(dtype):
     """16-bit and float32 inputs compute in float32 and return their own dtype; autocast stays off inside."""
