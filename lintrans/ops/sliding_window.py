@@ -8,7 +8,9 @@ Query t sees the keys at offsets t - j in its band, every ``dilation``-th positi
 Global tokens (a bool mask [T] or a list of positions): non-causal, a global token attends to every
 position and every position attends to it; causal, it attends to every earlier position and every
 later position attends to it (a visible prefix, like an attention sink). Memory O(T * (block + band))
-for scores, never T x T: queries go in blocks against the slice of keys their bands cover.
+for scores, never T x T: queries go in blocks against the slice of keys their bands cover. The
+common case (causal, dilation 1, no global tokens) runs block by block in ``_SlidingWindowCausal``,
+flash-style; every other case through torch's SDPA with the band as a mask.
 """
 from __future__ import annotations
 
@@ -96,6 +98,8 @@ SW_GROUP_TOKEN_HEADS = 8192
 
 
 class _Plan(NamedTuple):
+    """How ``_SlidingWindowCausal`` runs (see there)."""
+
     window: int
     scale: float
     C: int  # query rows per block
@@ -116,8 +120,9 @@ def _plan(B: int, T: int, H: int, window: int, scale: float, dtype: torch.dtype)
 def _edge_masks(p: _Plan, device: torch.device):
     """The band inside a block's key window [C, L = (m + 1) C] (column l is key position
     (b - m) C + l for query row i at b C + i) is 0 <= m C + i - l < window: only the first columns
-    (the far edge) and the last key block (the diagonal) hold cut-off entries. Returns (width, bias)
-    pairs, bias [C, width] 0 or -inf, for the columns :width and -C: of the window."""
+    (the far edge) and the last key block (the diagonal) hold cut-off entries. Returns (far, last):
+    far, none or one (width, bias [C, width]) for the columns :width, and last, the bias [C, C] of
+    the last C columns; 0 in the band, -inf outside it."""
     C, m = p.C, p.m
     L = (m + 1) * C
     d = m * C + torch.arange(C, device=device)[:, None] - torch.arange(L, device=device)[None, :]
