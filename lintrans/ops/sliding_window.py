@@ -9,8 +9,8 @@ Global tokens (a bool mask [T] or a list of positions): non-causal, a global tok
 position and every position attends to it; causal, it attends to every earlier position and every
 later position attends to it (a visible prefix, like an attention sink). Memory O(T * (block + band))
 for scores, never T x T: queries go in blocks against the slice of keys their bands cover. The
-common case (causal, dilation 1, no global tokens) runs block by block in ``_SlidingWindowCausal``,
-flash-style; every other case through torch's SDPA with the band as a mask.
+common case on a CPU (causal, dilation 1, no global tokens) runs block by block in
+``_SlidingWindowCausal``, flash-style; every other case through torch's SDPA with the band as a mask.
 """
 from __future__ import annotations
 
@@ -308,7 +308,9 @@ def sliding_window_attention(
     gidx = global_positions(global_tokens, T, q.device)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
-    if causal and dilation == 1 and (gidx is None or gidx.numel() == 0):  # the common case, block by block
+    if causal and dilation == 1 and (gidx is None or gidx.numel() == 0) and q.device.type == "cpu":
+        # the common case, block by block; an accelerator keeps SDPA's fused kernels (this path's
+        # many small per-head kernels suit a CPU's caches, not a GPU's launch costs)
         return _SlidingWindowCausal.apply(q, k, v, _plan(B, T, H, window, scale, dtype))
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
     back, fwd = _band_reach(window, dilation, causal)
