@@ -27,10 +27,10 @@ MODULE_MAPS = {"hedgehog": {}, "rebased": {}, "performer": {"num_features": 8}}
 @pytest.fixture
 def accelerator_path(monkeypatch):
     """Make the CPU take the code path of a CUDA tensor: no value checks, no value-chosen paths, and
-    the chunked op in one block (as ``_chunks_per_block`` does on an accelerator), and none of the
-    fused CPU kernels (ops/native)."""
-    monkeypatch.setattr(validation, "HOST_READ_DEVICES", frozenset())
+    the chunked op in one block (as ``_chunks_per_block`` does on an accelerator), and never the fused
+    CPU kernel."""
     monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    monkeypatch.setattr(validation, "HOST_READ_DEVICES", frozenset())
     monkeypatch.setattr(linear_module, "BLOCK_TOKEN_HEADS", 10**9)
 
 

@@ -19,6 +19,12 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
 
 
+def _native_kernels() -> bool:
+    from lintrans.ops import native
+
+    return native.enabled() and native.available()
+
+
 def machine_info(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu_model(),
@@ -31,6 +37,8 @@ def machine_info(device: str = "cpu") -> dict:
         # PyTorch's huge-page allocation (set by the lintrans CLI) and the kernel's THP mode
         "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
         "transparent_hugepage": _thp_mode(),
+        # whether the fused CPU kernels (lintrans/ops/native) ran, or the PyTorch path
+        "native_kernels": _native_kernels(),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))

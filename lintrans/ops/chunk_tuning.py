@@ -37,8 +37,11 @@ def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    if device.type == "cpu":
-        return f"cpu:{cpu_model()}:{torch.get_num_threads()}threads"
+    if device.type == "cpu":  # the fused kernel (ops/native) and the PyTorch blocks prefer different chunks
+        from .native import available, enabled
+
+        path = ":native" if enabled() and available() else ""
+        return f"cpu:{cpu_model()}:{torch.get_num_threads()}threads{path}"
     return device.type
 
 

@@ -8,16 +8,21 @@ Query t sees the keys at offsets t - j in its band, every ``dilation``-th positi
 Global tokens (a bool mask [T] or a list of positions): non-causal, a global token attends to every
 position and every position attends to it; causal, it attends to every earlier position and every
 later position attends to it (a visible prefix, like an attention sink). Memory O(T * (block + band))
-for scores, never T x T: queries go in blocks against the slice of keys their bands cover.
+for scores, never T x T: queries go in blocks against the slice of keys their bands cover. The
+common case on a CPU (causal, dilation 1, no global tokens) runs block by block in
+``_SlidingWindowCausal``, flash-style; every other case through torch's SDPA with the band as a mask.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
+from .linear import LOG2E, _without_autocast
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 
 
@@ -85,6 +90,198 @@ def _check_common(window, dilation, causal, scale):
     check_number("scale", scale, allow_none=True)
 
 
+# Query rows per block of the causal fast path, and tokens x heads per group of blocks: a group's
+# scores and buffers (a few MB) stay in cache and are reused (docs/benchmarks.md, "The sliding
+# window, block by block")
+SW_BLOCK = 64
+SW_GROUP_TOKEN_HEADS = 8192
+
+
+class _Plan(NamedTuple):
+    """How ``_SlidingWindowCausal`` runs (see there)."""
+
+    window: int
+    scale: float
+    C: int  # query rows per block
+    m: int  # key blocks before a query block that its band may reach
+    G: int  # query blocks per group (>= m)
+    dtype: torch.dtype  # compute dtype
+
+
+def _plan(B: int, T: int, H: int, window: int, scale: float, dtype: torch.dtype) -> _Plan:
+    C = min(SW_BLOCK, T)
+    n = -(-T // C)
+    m = min(-(-(window - 1) // C), n - 1)
+    G = max(m, 1, min(n, SW_GROUP_TOKEN_HEADS // (B * H * C)))
+    return _Plan(window, scale, C, m, G, dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _edge_masks(p: _Plan, device: torch.device):
+    """The band inside a block's key window [C, L = (m + 1) C] (column l is key position
+    (b - m) C + l for query row i at b C + i) is 0 <= m C + i - l < window: only the first columns
+    (the far edge) and the last key block (the diagonal) hold cut-off entries. Returns (far, last):
+    far, none or one (width, bias [C, width]) for the columns :width, and last, the bias [C, C] of
+    the last C columns; 0 in the band, -inf outside it."""
+    C, m = p.C, p.m
+    L = (m + 1) * C
+    d = m * C + torch.arange(C, device=device)[:, None] - torch.arange(L, device=device)[None, :]
+    bias = torch.zeros(C, L, dtype=p.dtype, device=device).masked_fill_((d < 0) | (d >= p.window), float("-inf"))
+    far = max(0, min(L - C, C - 1 + m * C - p.window + 1))  # columns before the last block with a cut
+    return ((far, bias[:, :far]),) if far else (), bias[:, L - C :]
+
+
+def _load(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0 .. r1 of x [B, T, H, D] (zeros outside 0 .. T) into buf [B, H, r1 - r0, D], head-first."""
+    T = x.shape[1]
+    a, b = max(r0, 0), min(r1, T)
+    if a > r0:
+        buf[:, :, : a - r0].zero_()
+    if b < r1:
+        buf[:, :, b - r0 :].zero_()
+    buf[:, :, a - r0 : b - r0] = x[:, a:b].transpose(1, 2)
+    return buf
+
+
+def _rows(buf: torch.Tensor, x: torch.Tensor, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows r0 .. r1 of x [B, T, H, D] as [B, H, r1 - r0, D]: a view of x where they all lie in it
+    and x is in ``dtype`` with unit stride along D (the matmuls read it in place), else a copy
+    into buf, zeros outside 0 .. T."""
+    if 0 <= r0 and r1 <= x.shape[1] and x.dtype == dtype and x.stride(-1) == 1:
+        return x[:, r0:r1].transpose(1, 2)
+    return _load(buf[:, :, : r1 - r0], x, r0, r1)
+
+
+def _windows(x: torch.Tensor, g: int, C: int, L: int) -> torch.Tensor:
+    """One head's key windows [g, L, D] of its rows x [rows, D]: block j's window starts at row j C
+    (overlapping views, nothing copied)."""
+    D = x.shape[-1]
+    return x.as_strided((g, L, D), (C * x.stride(0), x.stride(0), x.stride(1)), x.storage_offset())
+
+
+def _scores(s, qh, kh, p: _Plan, g: int, b0: int) -> torch.Tensor:
+    """One head's base-2 scores s [g, C, L] (exp2 is a much cheaper kernel than exp on a CPU): its
+    query blocks qh [g C, Dk] from block b0 (scaled by ``scale * LOG2E`` already) against their key
+    windows in kh [(g + m) C, Dk], -inf outside the band and before position 0."""
+    C, m = p.C, p.m
+    L = (m + 1) * C
+    torch.bmm(qh.view(g, C, -1), _windows(kh, g, C, L).transpose(1, 2), out=s)
+    far, last = _edge_masks(p, s.device)
+    for width, bias in far:
+        s[..., :width].add_(bias)
+    s[..., L - C :].add_(last)
+    for j in range(min(m - b0, g)):  # the first blocks' windows start before position 0
+        s[j, :, : (m - b0 - j) * C] = float("-inf")
+    return s
+
+
+class _SlidingWindowCausal(torch.autograd.Function):
+    """Causal sliding-window softmax (dilation 1, no global tokens), flash-style, block by block.
+
+    Queries go in blocks of C rows; block b's band lies in the m key blocks before it and its own,
+    L = (m + 1) C keys, a strided window of a group's key buffer (no gathered copies). Blocks are
+    taken G at a time (about ``SW_GROUP_TOKEN_HEADS`` tokens x heads) and a group's heads one by
+    one, so that every temporary is a group's or a head's worth, stays in cache and is reused.
+    Forward keeps only the output and each row's logsumexp; backward recomputes the probabilities
+    from them and runs over the groups in reverse, carrying the key and value gradients of the m
+    blocks a group shares with the one before it.
+    """
+
+    @staticmethod
+    @_without_autocast
+    def forward(ctx, q, k, v, p: _Plan):
+        B, T, H, Dk = q.shape
+        Dv = v.shape[-1]
+        C, m, G, dt = p.C, p.m, p.G, p.dtype
+        n = -(-T // C)
+        L, BH = (m + 1) * C, B * H
+        o = torch.empty(B, T, H, Dv, dtype=dt, device=q.device)
+        lse = torch.empty(BH, n, C, 1, dtype=dt, device=q.device)  # base 2
+        qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
+        kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
+        vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
+        ob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        S = q.new_empty(G, C, L, dtype=dt)
+        o3 = ob.view(BH, G, C, Dv)
+        for b0 in range(0, n, G):
+            g = min(G, n - b0)
+            t0, t1 = b0 * C, (b0 + g) * C
+            _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)  # C x D, not C x L, multiplies
+            kg, vg = _rows(kb, k, t0 - m * C, t1, dt), _rows(vb, v, t0 - m * C, t1, dt)
+            for bh in range(BH):
+                b, h = divmod(bh, H)
+                s = _scores(S[:g], qb[b, h, : g * C], kg[b, h], p, g, b0)
+                mx = s.amax(-1, keepdim=True)
+                den = s.sub_(mx).exp2_().sum(-1, keepdim=True)
+                torch.bmm(s, _windows(vg[b, h], g, C, L), out=o3[bh, :g]).div_(den)
+                torch.add(mx, den.log2_(), out=lse[bh, b0 : b0 + g])
+            e = min(t1, T)
+            o[:, t0:e] = ob[:, :, : e - t0].transpose(1, 2)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.p = p
+        return o.to(v.dtype)
+
+    @staticmethod
+    @once_differentiable
+    @_without_autocast
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        p = ctx.p
+        B, T, H, Dk = q.shape
+        Dv = v.shape[-1]
+        C, m, G, dt = p.C, p.m, p.G, p.dtype
+        n = -(-T // C)
+        L, BH = (m + 1) * C, B * H
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        qb = q.new_empty(B, H, G * C, Dk, dtype=dt)
+        kb = q.new_empty(B, H, (G + m) * C, Dk, dtype=dt)
+        vb = q.new_empty(B, H, (G + m) * C, Dv, dtype=dt)
+        dob = q.new_empty(B, H, G * C, Dv, dtype=dt)
+        dqb = q.new_empty(B, H, G * C, Dk, dtype=dt)
+        delta = q.new_empty(B, H, G * C, dtype=dt)  # rowsum(dO * O), zero on padding rows
+        # key/value gradients of the group's key rows: the m blocks before its own G blocks (they
+        # carry over to the group before, processed next), then its own
+        dkb = q.new_zeros(BH, G + m, C, Dk, dtype=dt)
+        dvb = q.new_zeros(BH, G + m, C, Dv, dtype=dt)
+        P = q.new_empty(G, C, L, dtype=dt)
+        dP = q.new_empty(G, C, L, dtype=dt)
+        dq3 = dqb.view(BH, G, C, Dk)
+        starts = list(range(0, n, G))
+        for i, b0 in enumerate(reversed(starts)):
+            g = min(G, n - b0)
+            t0, t1 = b0 * C, (b0 + g) * C
+            e = min(t1, T)
+            _load(qb[:, :, : g * C], q, t0, t1).mul_(p.scale * LOG2E)
+            kg, vg = _rows(kb, k, t0 - m * C, t1, dt), _rows(vb, v, t0 - m * C, t1, dt)
+            dog = _rows(dob, do, t0, t1, dt)
+            delta[:, :, e - t0 :].zero_()
+            delta[:, :, : e - t0] = torch.linalg.vecdot(do[:, t0:e].to(dt), o[:, t0:e]).transpose(1, 2)
+            for bh in range(BH):
+                b, h = divmod(bh, H)
+                qh, doh = qb[b, h, : g * C].view(g, C, Dk), dog[b, h].view(g, C, Dv)
+                s = _scores(P[:g], qh, kg[b, h], p, g, b0)
+                s.sub_(lse[bh, b0 : b0 + g]).exp2_()  # the probabilities again
+                ds = torch.bmm(doh, _windows(vg[b, h], g, C, L).transpose(1, 2), out=dP[:g])
+                # dS = P (dP - rowsum(dO O)); the scale goes on dQ, and dK's q is scaled
+                ds.sub_(delta[b, h, : g * C].view(g, C, 1)).mul_(s)
+                torch.bmm(ds, _windows(kg[b, h], g, C, L), out=dq3[bh, :g])
+                for j in range(m + 1):  # window block j of query block b is block b + j of the buffer
+                    dvb[bh, j : j + g].baddbmm_(s[..., j * C : (j + 1) * C].transpose(1, 2), doh)
+                    dkb[bh, j : j + g].baddbmm_(ds[..., j * C : (j + 1) * C].transpose(1, 2), qh)
+            # the group's own key blocks are complete: the later groups' windows were added before
+            r0, r1 = m * C, m * C + e - t0
+            dq[:, t0:e] = dqb[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
+            dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(1 / LOG2E)
+            dv[:, t0:e] = dvb.view(B, H, -1, Dv)[:, :, r0:r1].transpose(1, 2)
+            if i + 1 < len(starts):  # the earlier group's last m blocks are this one's first m
+                carry_k, carry_v = dkb[:, :m].clone(), dvb[:, :m].clone()
+                dkb.zero_()
+                dvb.zero_()
+                dkb[:, G : G + m] = carry_k
+                dvb[:, G : G + m] = carry_v
+        return dq, dk, dv, None
+
+
 def sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,6 +308,10 @@ def sliding_window_attention(
     gidx = global_positions(global_tokens, T, q.device)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
+    if causal and dilation == 1 and (gidx is None or gidx.numel() == 0) and q.device.type == "cpu":
+        # the common case, block by block; an accelerator keeps SDPA's fused kernels (this path's
+        # many small per-head kernels suit a CPU's caches, not a GPU's launch costs)
+        return _SlidingWindowCausal.apply(q, k, v, _plan(B, T, H, window, scale, dtype))
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
     back, fwd = _band_reach(window, dilation, causal)
     # query blocks of C rows, each against the L = C + back + fwd keys its bands cover (plus the

@@ -265,3 +265,17 @@ def test_without_the_library_the_pytorch_paths_run(monkeypatch):
     dout = torch.randn(2, 9, 2, 3, dtype=torch.float64)
     assert_close_all(outputs_and_grads(q, k, v, dout), reference(q, k, v, dout), 1e-10, 1e-10)
     assert calls == []
+
+
+@needs_native
+def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):
+    """torch.compile around the op: the ctypes call runs eagerly (a graph break), same gradients."""
+    calls = counted(monkeypatch)
+    q, k, v = (x.float().requires_grad_() for x in inputs(1, 9, 2, 4))
+    loss = lambda q, k, v: aft(q, k, v, variant="simple").square().sum()  # noqa: E731
+    compiled = torch.compile(loss, backend="eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    assert calls
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -116,3 +116,18 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
         o, _ = linear_attention(q, k, v, chunk_size=2)
     torch.testing.assert_close(o, linear_attention_reference(q, k, v)[0])
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+@needs_native
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):
+    """torch.compile cannot trace the ctypes call: it must break the graph there cleanly, not fail."""
+    calls = counted(monkeypatch)
+    q, k, v = (x.float().requires_grad_() for x in random_qkv(1, 9, 2, 4, 3))
+    loss = lambda q, k, v: linear_attention(q, k, v, chunk_size=4)[0].square().sum()  # noqa: E731
+    compiled = torch.compile(loss, backend="eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    assert calls
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -128,6 +128,93 @@ def test_step_from_empty_cache():
     torch.testing.assert_close(torch.stack(outs, 1), full)
 
 
+def _grads(fn, q, k, v, dout, **kw):
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    o = fn(q, k, v, **kw)
+    return (o, *torch.autograd.grad((o * dout).sum(), (q, k, v)))
+
+
+# The causal fast path (dilation 1, no global tokens) runs block by block: small blocks and groups
+# here, so that these shapes span several groups, partial last groups and blocks, and the key
+# gradients carried from one group to the one before it
+@pytest.fixture(params=[(4, 8), (3, 1), (64, 4096)], ids=["block4-group2", "block3-group1", "default"])
+def fast_path_sizes(request, monkeypatch):
+    import lintrans.ops.sliding_window as sw
+
+    monkeypatch.setattr(sw, "SW_BLOCK", request.param[0])
+    monkeypatch.setattr(sw, "SW_GROUP_TOKEN_HEADS", request.param[1])
+    return request.param
+
+
+@pytest.mark.parametrize(
+    "B, T, H, Dk, Dv, window",
+    [
+        (1, 1, 1, 3, 2, 1),  # one token
+        (2, 1, 2, 5, 3, 4),
+        (1, 23, 2, 5, 3, 1),  # window 1: each row sees only itself
+        (2, 23, 2, 5, 3, 6),  # T not a multiple of the block, odd D, Dk != Dv, B > 1
+        (1, 30, 3, 4, 6, 8),  # window a multiple of the block
+        (1, 17, 1, 3, 3, 40),  # window > T
+        (2, 40, 2, 3, 5, 11),
+    ],
+)
+def test_causal_fast_path_outputs_and_gradients_match_reference(B, T, H, Dk, Dv, window, fast_path_sizes):
+    q, k, v = inputs(B, T, H, Dk, Dv, seed=T + window)
+    dout = torch.randn(B, T, H, Dv, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    kw = dict(window=window, scale=0.8)
+    got = _grads(sliding_window_attention, q, k, v, dout, **kw)
+    want = _grads(sliding_window_attention_reference, q, k, v, dout, **kw)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_causal_fast_path_takes_strided_views(fast_path_sizes):
+    """The GPT hands in views of one [B, T, 3 H D] projection; inputs in any dtype come back in it."""
+    B, T, H, D = 2, 21, 2, 4
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(B, T, 3 * H * D, dtype=torch.float64, generator=g)
+    q, k, v = (x.view(B, T, H, D) for x in qkv.split(H * D, dim=-1))
+    assert not q.is_contiguous()
+    dout = torch.randn(B, T, H, D, dtype=torch.float64, generator=g)
+    got = _grads(sliding_window_attention, q, k, v, dout, window=5)
+    want = _grads(sliding_window_attention_reference, q, k, v, dout, window=5)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_causal_fast_path_gradcheck(fast_path_sizes):
+    q, k, v = (x.requires_grad_(True) for x in inputs(1, 9, 2, 3, 2, seed=8))
+    assert torch.autograd.gradcheck(lambda a, b, c: sliding_window_attention(a, b, c, window=4), (q, k, v))
+
+
+def test_causal_fast_path_large_scores(fast_path_sizes):
+    """Scores of thousands: each row's maximum is taken before exp2, and its logsumexp kept for backward."""
+    q, k, v = inputs(1, 30, 2, 4, 3, seed=10)
+    q, k = q * 40, k * 40
+    dout = torch.randn(1, 30, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    got = _grads(sliding_window_attention, q, k, v, dout, window=6)
+    want = _grads(sliding_window_attention_reference, q, k, v, dout, window=6)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+    o = sliding_window_attention(q.float(), k.float(), v.float(), window=6)
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_fast_path_low_precision(dtype):
+    """16-bit and float32 inputs compute in float32 and return their own dtype; autocast stays off inside."""
+    q, k, v = inputs(1, 70, 2, 8, 8, seed=9)
+    want = sliding_window_attention_reference(q, k, v, window=9)
+    ql, kl, vl = (x.to(dtype).requires_grad_(True) for x in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = sliding_window_attention(ql, kl, vl, window=9)
+    assert o.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(o.double(), want, rtol=tol, atol=tol)
+    o.float().sum().backward()
+    assert all(x.grad.dtype == dtype and torch.isfinite(x.grad).all() for x in (ql, kl, vl))
+
+
 @pytest.mark.parametrize(
     "kw, err, match",
     [

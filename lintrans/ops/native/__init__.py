@@ -8,7 +8,7 @@ the element-wise work fused into loops over data in cache and the matmuls as dir
 runs one parallel region per call (over batch x heads). See docs/benchmarks.md ("Native kernels").
 
 The library is compiled once per source, compiler flags, torch build and CPU into
-``$LINTRANS_NATIVE_DIR`` (default ``~/.cache/lintrans/native``), linked against torch's own BLAS
+``$LINTRANS_NATIVE_DIR`` (default: ``native/`` in lintrans's cache directory, ``~/.cache/lintrans``), linked against torch's own BLAS
 (``sgemm_``/``dgemm_`` exported by libtorch_cpu) and its OpenMP runtime, and loaded with ctypes.
 ``LINTRANS_NATIVE=0`` turns it off; a missing compiler or a failed build warns once and falls back.
 """
@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from lintrans._platform import cache_dir, cpu_model
+
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 
@@ -40,10 +42,11 @@ def enabled() -> bool:
     return os.environ.get("LINTRANS_NATIVE", "1") not in ("0", "false", "no", "off")
 
 
-def _cpu_id() -> str:
+def _cpu_flags() -> str:
+    """The CPU's feature flags: -march=native code is only for CPUs that have them all."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags"))).split("\n\n")[0]
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return platform.processor()
 
@@ -55,8 +58,8 @@ def library_path() -> Path:
         h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(torch.__version__.encode())
-    h.update(_cpu_id().encode())
-    root = Path(os.environ.get("LINTRANS_NATIVE_DIR", Path.home() / ".cache" / "lintrans" / "native"))
+    h.update((cpu_model() + _cpu_flags()).encode())
+    root = Path(os.environ.get("LINTRANS_NATIVE_DIR") or cache_dir() / "native")
     return root / f"liblintrans-{h.hexdigest()[:16]}.so"
 
 
@@ -84,6 +87,7 @@ def build(verbose: bool = False) -> Path:
     return out
 
 
+@torch.compiler.disable  # found once, outside any graph torch.compile traces
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, building it on first use; None when off or unavailable (warned once)."""
     global _lib, _tried

@@ -44,6 +44,8 @@ def _args(*xs: torch.Tensor) -> AftArgs:
     return a
 
 
+# torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break), as chunked.py's
+@torch.compiler.disable
 def forward(q, k, v, save: bool):
     """(o [B, T, H, D] contiguous, ckpt): ckpt, for backward (None unless ``save``), holds the carried
     sums every CHECKPOINT_STEPS steps, float64 [ncp, 3, B * H * D] (the kernel carries them in double)."""
@@ -57,6 +59,7 @@ def forward(q, k, v, save: bool):
     return o, ckpt
 
 
+@torch.compiler.disable
 def backward(q, k, v, ckpt, do):
     """(dq, dk, dv), each [B, T, H, D] contiguous; ckpt from forward (with the same CHECKPOINT_STEPS)."""
     q, k, v, do = map(_last_contiguous, (q, k, v, do.to(q.dtype)))

@@ -65,6 +65,8 @@ def _suffix(dtype) -> str:
     return "f32" if dtype == torch.float32 else "f64"
 
 
+# torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break)
+@torch.compiler.disable
 def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps: float):
     """(o [B, T, H, Dv], den [B, T, H] or None, states [B, H, ncp, F, E], S_end [B, H, F, E])."""
     q, k, v = map(_last_contiguous, (q, k, v))
@@ -82,6 +84,7 @@ def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps
     return o, den, states, S_end
 
 
+@torch.compiler.disable
 def backward(q, k, v, ld, o, den, states, do, dS_end, chunk: int, phi, normalize: bool, scale: float, eps: float,
              need_dld: bool):
     """(dq, dk, dv, dld or None, dS0), dld [B|1, T, H] as ld."""
