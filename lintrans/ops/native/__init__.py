@@ -31,6 +31,7 @@ import torch
 from lintrans._platform import cache_dir, cpu_model
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 
 _lock = threading.Lock()
@@ -54,7 +55,7 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where the library for these sources, flags, torch and CPU is (or will be) built."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(torch.__version__.encode())

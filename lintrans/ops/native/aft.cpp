@@ -31,11 +31,7 @@
 #include <limits>
 #include <vector>
 
-extern "C" {
-// glibc's vector math (libmvec): declared SIMD-callable, so that `omp simd` loops vectorize them
-float expf(float) noexcept __attribute__((simd("notinbranch")));
-double exp(double) noexcept __attribute__((simd("notinbranch")));
-}
+#include "simd_math.h"
 
 // Field for field the ctypes.Structure in lintrans/ops/native/aft.py.
 struct AftArgs {
@@ -53,8 +49,7 @@ namespace {
 
 using A = double;  // what is carried along T
 
-inline float vexp(float x) { return expf(x); }
-inline double vexp(double x) { return exp(x); }
+using lintrans_simd::vexp;
 
 constexpr int64_t TILE = 64;
 // how far a key may exceed the reference before the sums move to it: e^30 ~ 1e13 per term keeps them

@@ -16,20 +16,13 @@
 #include <cstring>
 #include <vector>
 
+#include "simd_math.h"
+
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
             const int*, const float*, const int*, const float*, float*, const int*);
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
             const int*, const double*, const int*, const double*, double*, const int*);
-// glibc's vector math (libmvec): declared SIMD-callable, so that `omp simd` loops vectorize them
-float expf(float) noexcept __attribute__((simd("notinbranch")));
-double exp(double) noexcept __attribute__((simd("notinbranch")));
-float exp2f(float) noexcept __attribute__((simd("notinbranch")));
-double exp2(double) noexcept __attribute__((simd("notinbranch")));
-float log1pf(float) noexcept __attribute__((simd("notinbranch")));
-double log1p(double) noexcept __attribute__((simd("notinbranch")));
-float expm1f(float) noexcept __attribute__((simd("notinbranch")));
-double expm1(double) noexcept __attribute__((simd("notinbranch")));
 // MKL (torch's BLAS on x86) threads a call made outside an active parallel region itself, which
 // for matrices this small is ruinous: each worker asks for one thread (weak: other BLAS lack it)
 int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
@@ -56,14 +49,7 @@ void gemm(bool tA, bool tB, int M, int N, int K, const T* A, int lda, const T* B
   blas_gemm(&b, &a, &N, &M, &K, &one, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
-inline float vexp(float x) { return expf(x); }
-inline double vexp(double x) { return exp(x); }
-inline float vexp2(float x) { return exp2f(x); }
-inline double vexp2(double x) { return exp2(x); }
-inline float vlog1p(float x) { return log1pf(x); }
-inline double vlog1p(double x) { return log1p(x); }
-inline float vexpm1(float x) { return expm1f(x); }
-inline double vexpm1(double x) { return expm1(x); }
+using namespace lintrans_simd;
 
 enum Phi : int64_t { kNone = 0, kElu = 1, kRelu = 2, kSoftplus = 3 };
 
