@@ -5,25 +5,16 @@ import torch
 
 from lintrans.ops import FORMS, linear_attention, linear_attention_reference
 from lintrans.ops import linear as linear_module
-from lintrans.ops import native
 from lintrans.ops.native import chunked as native_chunked
 
+from native_paths import on_path, took
 from qkv import random_qkv
 
 
 @pytest.fixture(autouse=True, params=["blocks", "native"])
 def path(request, monkeypatch):
-    """Every test here runs on both CPU paths: the PyTorch blocks and the fused kernel (ops/native),
-    counting the fused kernel's calls."""
-    calls = []
-    if request.param == "blocks":
-        monkeypatch.setenv("LINTRANS_NATIVE", "0")
-    elif not native.available():
-        pytest.skip("native kernels unavailable (no C++ compiler?)")
-    else:
-        forward = native_chunked.forward
-        monkeypatch.setattr(native_chunked, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
-    return request.param, calls
+    """Every test here runs on both CPU paths: the PyTorch blocks and the fused kernel (ops/native)."""
+    return on_path(request.param, monkeypatch, native_chunked)
 
 
 def chunks_per_block(monkeypatch, B, H, c, nb, keep=False):
@@ -73,7 +64,7 @@ def test_block_boundaries_equal_reference(monkeypatch, path, T, c, nb, decay, ke
     want = torch.autograd.grad((ref * w).sum() + (S_ref * wS).sum() + (z_ref * wz).sum(), inputs)
     for gg, ww in zip(got, want):
         torch.testing.assert_close(gg, ww, rtol=1e-8, atol=1e-10)
-    assert (len(path[1]) > 0) == (path[0] == "native")  # the path under test is the one taken
+    assert took(path)
 
 
 @pytest.mark.parametrize("normalize,feature_map", [(False, "identity"), (True, "based"), (False, "softplus"),

@@ -6,34 +6,24 @@ import importlib
 import pytest
 import torch
 
-from lintrans.ops.aft import aft, aft_reference, aft_simple_step
+from lintrans.ops.aft import aft, aft_reference
 from lintrans.ops import native
 from lintrans.ops.native import aft as native_aft
 
+from native_paths import needs_native, on_path, took
+from native_paths import counted as _counted
+
 aft_module = importlib.import_module("lintrans.ops.aft")  # the package attribute `aft` is the function
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C++ compiler?)")
 
 
 def counted(monkeypatch):
-    calls = []
-    forward = native_aft.forward
-    monkeypatch.setattr(native_aft, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
-    return calls
+    return _counted(monkeypatch, native_aft)
 
 
 @pytest.fixture(params=["pytorch", "native"])
 def path(request, monkeypatch):
     """The test runs on both CPU paths; yields the path's name and the fused kernel's calls."""
-    if request.param == "pytorch":
-        monkeypatch.setenv("LINTRANS_NATIVE", "0")
-    elif not native.available():
-        pytest.skip("native kernels unavailable (no C++ compiler?)")
-    return request.param, counted(monkeypatch)
-
-
-def took(path):
-    name, calls = path
-    return (len(calls) > 0) == (name == "native")
+    return on_path(request.param, monkeypatch, native_aft)
 
 
 def inputs(B, T, H, D, dtype=torch.float64, seed=0):
@@ -173,17 +163,6 @@ def test_half_precision_runs_in_float32(path):
     assert o.dtype == torch.bfloat16
     torch.testing.assert_close(o.double(), aft_reference(q, k, v, variant="simple"), rtol=2e-2, atol=2e-2)
     assert took(path)
-
-
-def test_step_equals_forward(path):
-    q, k, v = inputs(2, 11, 3, 4)
-    k = k * 50  # the running max has to move
-    full = aft(q, k, v, variant="simple")
-    state, outs = None, []
-    for t in range(11):
-        o, state = aft_simple_step(q[:, t], k[:, t], v[:, t], state)
-        outs.append(o)
-    torch.testing.assert_close(torch.stack(outs, 1), full, rtol=1e-10, atol=1e-10)
 
 
 @needs_native

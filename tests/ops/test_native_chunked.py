@@ -9,16 +9,13 @@ from lintrans.ops import linear_attention, linear_attention_reference
 from lintrans.ops import native
 from lintrans.ops.native import chunked as native_chunked
 
+from native_paths import counted as _counted
+from native_paths import needs_native
 from qkv import random_qkv
-
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C++ compiler?)")
 
 
 def counted(monkeypatch):
-    calls = []
-    forward = native_chunked.forward
-    monkeypatch.setattr(native_chunked, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
-    return calls
+    return _counted(monkeypatch, native_chunked)
 
 
 @needs_native
