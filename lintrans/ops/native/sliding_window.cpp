@@ -112,7 +112,7 @@ void forward(const SlidingWindowArgs& a) {
   {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
-    std::vector<T> S(C * Lmax);
+    std::vector<T> S(C * Lmax), inv(C);
     for (int64_t t0 = 0; t0 < a.T; t0 += C) {
       for (int64_t bh = r.lo; bh < r.hi; ++bh) {
         const Block<T> blk(a, bh, t0);
@@ -124,22 +124,26 @@ void forward(const SlidingWindowArgs& a) {
           const int64_t lo = blk.lo(i), hi = blk.hi(i);
           T mx = s[lo];
 #pragma omp simd reduction(max : mx)
-          for (int64_t l = lo; l <= hi; ++l) mx = std::max(mx, s[l]);
+          for (int64_t l = lo; l <= hi; ++l) mx = s[l] > mx ? s[l] : mx;
           T sum = 0;
 #pragma omp simd reduction(+ : sum)
           for (int64_t l = lo; l <= hi; ++l) {
             s[l] = vexp2(s[l] - mx);
             sum += s[l];
           }
-          const T inv = T(1) / sum;
           for (int64_t l = 0; l < lo; ++l) s[l] = 0;
-#pragma omp simd
-          for (int64_t l = lo; l <= hi; ++l) s[l] *= inv;
           for (int64_t l = hi + 1; l < L; ++l) s[l] = 0;
+          inv[i] = T(1) / sum;
           lse[i] = mx + std::log2(sum);
         }
+        // O = P V with P unnormalized, then each row divided by its sum (D, not L, multiplies)
         T* o = static_cast<T*>(a.o) + blk.row(t0) * a.Dv;
         gemm<T>(false, false, blk.cl, a.Dv, L, 1, S.data(), L, blk.v(), a.sv[1], 0, o, a.H * a.Dv);
+        for (int64_t i = 0; i < blk.cl; ++i) {
+          T* oi = o + i * a.H * a.Dv;
+#pragma omp simd
+          for (int64_t e = 0; e < a.Dv; ++e) oi[e] *= inv[i];
+        }
       }
     }
   }
