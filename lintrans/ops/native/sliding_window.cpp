@@ -74,7 +74,7 @@ struct SlidingWindowArgs {
   const void *q, *k, *v;  // q, k [B, T, H, Dk], v [B, T, H, Dv] (strides sq, sk, sv; the last is 1)
   void *o, *lse;          // o [B, T, H, Dv] contiguous; lse [B, H, T] (base 2) contiguous
   const void* dout;       // backward: do [B, T, H, Dv] (strides sdo)
-  void *dq, *dk, *dv;     // contiguous, dk and dv zeroed by the caller (blocks add into them)
+  void *dq, *dk, *dv;     // contiguous (blocks add into dk and dv, each row zeroed when first reached)
   int64_t B, T, H, Dk, Dv;
   int64_t sq[3], sk[3], sv[3], sdo[3];  // strides of the B, T, H dimensions
   int64_t block, window, threads;
@@ -194,6 +194,12 @@ void backward(const SlidingWindowArgs& a) {
         T* dq = static_cast<T*>(a.dq) + blk.row(t0) * a.Dk;
         T* dk = static_cast<T*>(a.dk) + blk.row(blk.j0) * a.Dk;
         T* dv = static_cast<T*>(a.dv) + blk.row(blk.j0) * a.Dv;
+        // the block's own key rows enter a window here for the first time: zeroed here, in cache,
+        // rather than all of dk and dv up front
+        for (int64_t i = L - cl; i < L; ++i) {
+          std::fill_n(dk + i * ldk, a.Dk, T(0));
+          std::fill_n(dv + i * ldv, a.Dv, T(0));
+        }
         gemm<T>(false, false, cl, a.Dk, L, scale, dP.data(), L, blk.k(), a.sk[1], 0, dq, ldk);
         gemm<T>(true, false, L, a.Dk, cl, scale, dP.data(), L, blk.q(), a.sq[1], 1, dk, ldk);
         gemm<T>(true, false, L, a.Dv, cl, 1, P.data(), L, blk.dout(), a.sdo[1], 1, dv, ldv);

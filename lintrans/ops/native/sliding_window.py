@@ -64,7 +64,7 @@ def forward(q, k, v, window: int, scale: float):
 def backward(q, k, v, o, lse, do, window: int, scale: float):
     """(dq, dk, dv), contiguous; o and lse from forward."""
     q, k, v, do = map(_rows, (q, k, v, do.to(q.dtype)))
-    dq, dk, dv = q.new_empty(q.shape), q.new_zeros(k.shape), q.new_zeros(v.shape)
+    dq, dk, dv = q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
     a = _args(q, k, v, window, scale)
     a.o, a.lse, a.dout = _ptr(o), _ptr(lse), _ptr(do)
     a.sdo = _i3(*do.stride()[:3])
