@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .linear import LOG2E, _without_autocast
+from .native import sliding_window as native_sw
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 
 
@@ -184,12 +185,19 @@ class _SlidingWindowCausal(torch.autograd.Function):
     one, so that every temporary is a group's or a head's worth, stays in cache and is reused.
     Forward keeps only the output and each row's logsumexp; backward recomputes the probabilities
     from them and runs over the groups in reverse, carrying the key and value gradients of the m
-    blocks a group shares with the one before it.
+    blocks a group shares with the one before it. Where the fused kernel (ops/native/sliding_window.cpp)
+    can run (float32/float64 on the CPU), it does the same, one parallel region per call.
     """
 
     @staticmethod
     @_without_autocast
     def forward(ctx, q, k, v, p: _Plan):
+        ctx.p = p
+        ctx.native = native_sw.supports(q, k, v)
+        if ctx.native:
+            o, lse = native_sw.forward(q, k, v, p.window, p.scale)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
         B, T, H, Dk = q.shape
         Dv = v.shape[-1]
         C, m, G, dt = p.C, p.m, p.G, p.dtype
@@ -218,7 +226,6 @@ class _SlidingWindowCausal(torch.autograd.Function):
             e = min(t1, T)
             o[:, t0:e] = ob[:, :, : e - t0].transpose(1, 2)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.p = p
         return o.to(v.dtype)
 
     @staticmethod
@@ -227,6 +234,8 @@ class _SlidingWindowCausal(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         p = ctx.p
+        if ctx.native:
+            return (*native_sw.backward(q, k, v, o, lse, do, p.window, p.scale), None)
         B, T, H, Dk = q.shape
         Dv = v.shape[-1]
         C, m, G, dt = p.C, p.m, p.G, p.dtype

@@ -1,6 +1,7 @@
 """Longformer sliding-window attention against the dense float64 reference: outputs, gradients, decoding, errors."""
 import pytest
 import torch
+from native_paths import on_path, took
 from qkv import random_qkv
 
 from lintrans.ops.sliding_window import (
@@ -10,6 +11,7 @@ from lintrans.ops.sliding_window import (
     sliding_window_cache,
     sliding_window_step,
 )
+from lintrans.ops.native import sliding_window as native_sw
 from lintrans.ops.softmax import softmax_attention_reference
 
 
@@ -136,14 +138,21 @@ def _grads(fn, q, k, v, dout, **kw):
 
 # The causal fast path (dilation 1, no global tokens) runs block by block: small blocks and groups
 # here, so that these shapes span several groups, partial last groups and blocks, and the key
-# gradients carried from one group to the one before it
+# gradients carried from one group to the one before it (the fused kernel takes the same blocks)
 @pytest.fixture(params=[(4, 8), (3, 1), (64, 4096)], ids=["block4-group2", "block3-group1", "default"])
 def fast_path_sizes(request, monkeypatch):
     import lintrans.ops.sliding_window as sw
 
     monkeypatch.setattr(sw, "SW_BLOCK", request.param[0])
     monkeypatch.setattr(sw, "SW_GROUP_TOKEN_HEADS", request.param[1])
+    monkeypatch.setattr(native_sw, "BLOCK", request.param[0])
     return request.param
+
+
+@pytest.fixture(params=["pytorch", "native"])
+def path(request, monkeypatch):
+    """The fast-path tests run on both CPU paths: the fused kernel (ops/native) and the PyTorch blocks."""
+    return on_path(request.param, monkeypatch, native_sw)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +167,7 @@ def fast_path_sizes(request, monkeypatch):
         (2, 40, 2, 3, 5, 11),
     ],
 )
-def test_causal_fast_path_outputs_and_gradients_match_reference(B, T, H, Dk, Dv, window, fast_path_sizes):
+def test_causal_fast_path_outputs_and_gradients_match_reference(B, T, H, Dk, Dv, window, fast_path_sizes, path):
     q, k, v = inputs(B, T, H, Dk, Dv, seed=T + window)
     dout = torch.randn(B, T, H, Dv, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     kw = dict(window=window, scale=0.8)
@@ -166,9 +175,10 @@ def test_causal_fast_path_outputs_and_gradients_match_reference(B, T, H, Dk, Dv,
     want = _grads(sliding_window_attention_reference, q, k, v, dout, **kw)
     for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    assert took(path)
 
 
-def test_causal_fast_path_takes_strided_views(fast_path_sizes):
+def test_causal_fast_path_takes_strided_views(fast_path_sizes, path):
     """The GPT hands in views of one [B, T, 3 H D] projection; inputs in any dtype come back in it."""
     B, T, H, D = 2, 21, 2, 4
     g = torch.Generator().manual_seed(7)
@@ -180,14 +190,16 @@ def test_causal_fast_path_takes_strided_views(fast_path_sizes):
     want = _grads(sliding_window_attention_reference, q, k, v, dout, window=5)
     for name, a, b in zip(["o", "dq", "dk", "dv"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    assert took(path)
 
 
-def test_causal_fast_path_gradcheck(fast_path_sizes):
+def test_causal_fast_path_gradcheck(fast_path_sizes, path):
     q, k, v = (x.requires_grad_(True) for x in inputs(1, 9, 2, 3, 2, seed=8))
     assert torch.autograd.gradcheck(lambda a, b, c: sliding_window_attention(a, b, c, window=4), (q, k, v))
+    assert took(path)
 
 
-def test_causal_fast_path_large_scores(fast_path_sizes):
+def test_causal_fast_path_large_scores(fast_path_sizes, path):
     """Scores of thousands: each row's maximum is taken before exp2, and its logsumexp kept for backward."""
     q, k, v = inputs(1, 30, 2, 4, 3, seed=10)
     q, k = q * 40, k * 40
@@ -198,6 +210,7 @@ def test_causal_fast_path_large_scores(fast_path_sizes):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
     o = sliding_window_attention(q.float(), k.float(), v.float(), window=6)
     assert torch.isfinite(o).all()
+    assert took(path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
