@@ -17,7 +17,7 @@ def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str 
     # the prefill is not timed: a fixed chunk size spares tuning at every context
     chunk = 64
     # room for the decode steps after the longest context: learned positions must cover them
-    config = gpt_config(size, max_T + 256, attention, "chunked", chunk)
+    config = gpt_config(size, max_T + 256, attention, "chunked" if attention == "linear" else None, chunk)
     torch.manual_seed(0)
     model = GPT(config).to(device).eval()
     g = torch.Generator().manual_seed(T)

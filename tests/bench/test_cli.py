@@ -268,3 +268,14 @@ def test_demo_states_the_chunked_ops_share_of_the_probe():
     assert line.startswith("chunked op at T = 8192: 100 ms")
     assert f"{flops / 0.1 / 1e9:.0f} GFLOP/s" in line and f"{100 * flops / 0.1 / 150e9:.0f}% of the matmul probe" in line
     assert op_share_line({"rows": rows, "machine": {}}) is None
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_decode_step_builds_and_runs_for_each_decoder(attention):
+    """Each decoder's model takes only its own options (softmax has none: no form, no chunk size)."""
+    from lintrans.bench.generate import make_decode_step
+
+    step, extra = make_decode_step("4L-128", 16, attention, max_T=16)
+    step()
+    step()
+    assert extra["context"] == 16 and extra["cache_bytes"] > 0
