@@ -1,6 +1,7 @@
 """Running a test on both CPU paths: the fused kernels (lintrans/ops/native) and the PyTorch code
 they fall back to, counting the kernel's calls so that a test can check which path it took."""
 import pytest
+import torch
 
 from lintrans.ops import native
 
@@ -28,3 +29,31 @@ def took(path):
     """Whether the test took the path it was set up for."""
     name, calls = path
     return (len(calls) > 0) == (name == "native")
+
+
+def assert_same_for_every_thread_count(op, inputs, threads=(1, 2, 4)):
+    """op(*inputs) and the gradients of its squared sum are bitwise equal whatever the number of
+    torch threads: each kernel gives a row, head or channel to one thread and keeps its order."""
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            o = op(*inputs)
+            outs.append([o, *torch.autograd.grad(o.square().sum(), inputs)])
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def assert_compiled_equals_eager(loss, inputs, calls):
+    """torch.compile cannot trace a ctypes call: around ``loss`` it must break the graph there
+    cleanly (the kernel still runs: ``calls`` fills) and give the eager gradients."""
+    compiled = torch.compile(loss, backend="eager")
+    got = torch.autograd.grad(compiled(*inputs), inputs)
+    assert calls
+    want = torch.autograd.grad(loss(*inputs), inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

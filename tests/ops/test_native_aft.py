@@ -10,6 +10,7 @@ from lintrans.ops.aft import aft, aft_reference
 from lintrans.ops import native
 from lintrans.ops.native import aft as native_aft
 
+from native_paths import assert_compiled_equals_eager, assert_same_for_every_thread_count
 from native_paths import needs_native, on_path, took
 from native_paths import counted as _counted
 
@@ -221,19 +222,7 @@ def test_threads_do_not_change_the_result():
     """A channel's arithmetic does not depend on which thread owns it: bitwise equal for 1 to 5
     threads (12 tiles of channels: 3 batches of a 200-channel row)."""
     q, k, v = (x.float().requires_grad_() for x in inputs(3, 40, 5, 40))
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2, 3, 5):
-            torch.set_num_threads(n)
-            o = aft(q, k * 3, v, variant="simple")
-            outs.append([o, *torch.autograd.grad(o.square().sum(), (q, k, v))])
-    finally:
-        torch.set_num_threads(before)
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
-
+    assert_same_for_every_thread_count(lambda q, k, v: aft(q, k * 3, v, variant="simple"), (q, k, v), (1, 2, 3, 5))
 
 def test_without_the_library_the_pytorch_paths_run(monkeypatch):
     """A library that could not be built (warned about once, in ops/native): the same results."""
@@ -249,12 +238,6 @@ def test_without_the_library_the_pytorch_paths_run(monkeypatch):
 @needs_native
 def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):
     """torch.compile around the op: the ctypes call runs eagerly (a graph break), same gradients."""
-    calls = counted(monkeypatch)
     q, k, v = (x.float().requires_grad_() for x in inputs(1, 9, 2, 4))
     loss = lambda q, k, v: aft(q, k, v, variant="simple").square().sum()  # noqa: E731
-    compiled = torch.compile(loss, backend="eager")
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    assert calls
-    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    assert_compiled_equals_eager(loss, (q, k, v), counted(monkeypatch))

@@ -9,7 +9,7 @@ from lintrans.ops.native import sliding_window as native_sw
 from lintrans.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
 
 from native_paths import counted as _counted
-from native_paths import needs_native
+from native_paths import assert_compiled_equals_eager, assert_same_for_every_thread_count, needs_native
 from qkv import random_qkv
 
 
@@ -71,30 +71,11 @@ def test_float32_kernel_equals_reference_and_blocks(monkeypatch):
 def test_threads_do_not_change_the_result():
     """One thread walks each head's blocks in order, whatever the number of threads: bitwise equal."""
     q, k, v = (x.float().requires_grad_() for x in random_qkv(2, 150, 3, 8, 8))
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
-            o = sliding_window_attention(q, k, v, window=40)
-            outs.append([o, *torch.autograd.grad(o.square().sum(), (q, k, v))])
-    finally:
-        torch.set_num_threads(before)
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
-
+    assert_same_for_every_thread_count(lambda q, k, v: sliding_window_attention(q, k, v, window=40), (q, k, v))
 
 @needs_native
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):
-    """torch.compile cannot trace the ctypes call: it must break the graph there cleanly, not fail."""
-    calls = counted(monkeypatch)
     q, k, v = (x.float().requires_grad_() for x in random_qkv(1, 9, 2, 4, 3))
     loss = lambda q, k, v: sliding_window_attention(q, k, v, window=4).square().sum()  # noqa: E731
-    compiled = torch.compile(loss, backend="eager")
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    assert calls
-    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    assert_compiled_equals_eager(loss, (q, k, v), counted(monkeypatch))

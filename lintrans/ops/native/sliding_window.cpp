@@ -13,61 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "simd_math.h"
-
-extern "C" {
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-            const int*, const float*, const int*, const float*, float*, const int*);
-void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
-            const int*, const double*, const int*, const double*, double*, const int*);
-int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // see chunked.cpp
-}
-
-namespace {
-
-using namespace lintrans_simd;
-
-inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* al,
-                      const float* a, const int* lda, const float* b, const int* ldb, const float* be, float* c,
-                      const int* ldc) {
-  sgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
-}
-inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* al,
-                      const double* a, const int* lda, const double* b, const int* ldb, const double* be,
-                      double* c, const int* ldc) {
-  dgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
-}
-
-// Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K] (BLAS, column-major, computes C^T)
-template <typename T>
-void gemm(bool tA, bool tB, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
-          int ldc) {
-  const char a = tA ? 'T' : 'N', b = tB ? 'T' : 'N';
-  blas_gemm(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
-}
-
-constexpr double kLog2e = 1.4426950408889634;
-
-struct SequentialBlas {  // one BLAS thread for the calling thread while in scope (see chunked.cpp)
-  int before = 0;
-  SequentialBlas() {
-    if (MKL_Set_Num_Threads_Local) before = MKL_Set_Num_Threads_Local(1);
-  }
-  ~SequentialBlas() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(before);
-  }
-};
-
-struct HeadRange {  // a thread's contiguous (batch, head) pairs, as in chunked.cpp
-  int64_t lo, hi;
-  explicit HeadRange(int64_t BH) {
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    lo = BH * t / n;
-    hi = BH * (t + 1) / n;
-  }
-};
-
-}  // namespace
 
 // Field for field the ctypes.Structure in lintrans/ops/native/sliding_window.py.
 struct SlidingWindowArgs {
@@ -82,6 +29,9 @@ struct SlidingWindowArgs {
 };
 
 namespace {
+
+using namespace lintrans_cpu;
+using namespace lintrans_simd;
 
 // One block's view of one head: where its rows start, and the band of each row in its key window.
 template <typename T>

@@ -1,0 +1,72 @@
+// What the BLAS-calling kernels (chunked.cpp, sliding_window.cpp) share: torch's own BLAS
+// (libtorch_cpu exports MKL's sgemm_/dgemm_), a row-major gemm over it, one BLAS thread per worker,
+// and the split of (batch, head) pairs between the OpenMP threads.
+#pragma once
+
+#include <omp.h>
+
+#include <cstdint>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+            const int*, const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+            const int*, const double*, const int*, const double*, double*, const int*);
+// MKL (torch's BLAS on x86) threads a call made outside an active parallel region itself, which
+// for matrices this small is ruinous: each worker asks for one thread (weak: other BLAS lack it)
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+}
+
+namespace lintrans_cpu {
+
+constexpr double kLog2e = 1.4426950408889634;
+
+inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* al,
+                      const float* a, const int* lda, const float* b, const int* ldb, const float* be, float* c,
+                      const int* ldc) {
+  sgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+}
+inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* al,
+                      const double* a, const int* lda, const double* b, const int* ldb, const double* be,
+                      double* c, const int* ldc) {
+  dgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+}
+
+// Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K]: BLAS is column-major, so it computes C^T.
+template <typename T>
+void gemm(bool tA, bool tB, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
+          int ldc) {
+  const char a = tA ? 'T' : 'N', b = tB ? 'T' : 'N';
+  blas_gemm(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+// The same with alpha = 1
+template <typename T>
+void gemm(bool tA, bool tB, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc) {
+  gemm<T>(tA, tB, M, N, K, T(1), A, lda, B, ldb, beta, C, ldc);
+}
+
+// One BLAS thread for the calling thread while in scope
+struct SequentialBlas {
+  int before = 0;
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) before = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(before);
+  }
+};
+
+// The calling thread's contiguous range of (batch, head) pairs: a chunk's rows of those heads lie
+// side by side in [B, T, H, D], so a thread that walks all of its heads at each position reads
+// memory in order (one head at a time would jump H * D elements per row).
+struct HeadRange {
+  int64_t lo, hi;
+  explicit HeadRange(int64_t BH) {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    lo = BH * t / n;
+    hi = BH * (t + 1) / n;
+  }
+};
+
+}  // namespace lintrans_cpu
