@@ -5,28 +5,22 @@ import ctypes
 
 import torch
 
-from . import enabled, library
-from .chunked import _last_contiguous, _ptr, _suffix  # the same small helpers
+from .binding import I3, P, call, last_contiguous, ptr, takes
 
 # steps between the carried sums forward saves for backward, which recomputes the steps between
 # into buffers that stay in cache (STEPS x a thread's channels x 3 doubles)
 CHECKPOINT_STEPS = 64
 
-_p = ctypes.c_void_p
-_i3 = ctypes.c_int64 * 3
-
-
 class AftArgs(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("q", "k", "v", "o", "ckpt", "dout", "dq", "dk", "dv")] + \
+    _fields_ = [(n, P) for n in ("q", "k", "v", "o", "ckpt", "dout", "dq", "dk", "dv")] + \
                [(n, ctypes.c_int64) for n in ("B", "T", "H", "D")] + \
-               [(n, _i3) for n in ("sq", "sk", "sv", "sdo")] + \
+               [(n, I3) for n in ("sq", "sk", "sv", "sdo")] + \
                [(n, ctypes.c_int64) for n in ("every", "threads")]
 
 
 def supports(q, k, v) -> bool:
     """Whether the fused kernel can run this call (else the PyTorch paths do); builds it on first use."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
-            and enabled() and library() is not None)
+    return takes(q, k, v)
 
 
 def _args(*xs: torch.Tensor) -> AftArgs:
@@ -36,7 +30,7 @@ def _args(*xs: torch.Tensor) -> AftArgs:
     a = AftArgs()
     merge = all(x.stride(2) == D or H == 1 for x in xs)
     a.B, a.T, a.H, a.D = (B, T, 1, H * D) if merge else (B, T, H, D)
-    strides = [_i3(x.stride(0), x.stride(1), 0 if merge else x.stride(2)) for x in xs]
+    strides = [I3(x.stride(0), x.stride(1), 0 if merge else x.stride(2)) for x in xs]
     a.sq, a.sk, a.sv = strides[:3]
     if len(xs) > 3:
         a.sdo = strides[3]
@@ -49,24 +43,24 @@ def _args(*xs: torch.Tensor) -> AftArgs:
 def forward(q, k, v, save: bool):
     """(o [B, T, H, D] contiguous, ckpt): ckpt, for backward (None unless ``save``), holds the carried
     sums every CHECKPOINT_STEPS steps, float64 [ncp, 3, B * H * D] (the kernel carries them in double)."""
-    q, k, v = map(_last_contiguous, (q, k, v))
+    q, k, v = map(last_contiguous, (q, k, v))
     B, T, H, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype)
     ckpt = torch.empty(-(-T // CHECKPOINT_STEPS), 3, B * H * D, dtype=torch.float64) if save else None
     a = _args(q, k, v)
-    a.q, a.k, a.v, a.o, a.ckpt = _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(ckpt)
-    getattr(library(), f"lt_aft_simple_forward_{_suffix(q.dtype)}")(ctypes.byref(a))
+    a.q, a.k, a.v, a.o, a.ckpt = ptr(q), ptr(k), ptr(v), ptr(o), ptr(ckpt)
+    call("lt_aft_simple_forward", q.dtype, a)
     return o, ckpt
 
 
 @torch.compiler.disable
 def backward(q, k, v, ckpt, do):
     """(dq, dk, dv), each [B, T, H, D] contiguous; ckpt from forward (with the same CHECKPOINT_STEPS)."""
-    q, k, v, do = map(_last_contiguous, (q, k, v, do.to(q.dtype)))
+    q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype) for _ in range(3))
     a = _args(q, k, v, do)
     assert ckpt.dtype == torch.float64 and ckpt.shape[0] == -(-q.shape[1] // a.every)
-    a.q, a.k, a.v, a.ckpt, a.dout = _ptr(q), _ptr(k), _ptr(v), _ptr(ckpt), _ptr(do)
-    a.dq, a.dk, a.dv = _ptr(dq), _ptr(dk), _ptr(dv)
-    getattr(library(), f"lt_aft_simple_backward_{_suffix(q.dtype)}")(ctypes.byref(a))
+    a.q, a.k, a.v, a.ckpt, a.dout = ptr(q), ptr(k), ptr(v), ptr(ckpt), ptr(do)
+    a.dq, a.dk, a.dv = ptr(dq), ptr(dk), ptr(dv)
+    call("lt_aft_simple_backward", q.dtype, a)
     return dq, dk, dv

@@ -5,28 +5,22 @@ import ctypes
 
 import torch
 
-from . import enabled, library
-from .chunked import _ptr, _suffix  # the same small helpers
+from .binding import I3, P, call, ptr, strides, takes
 
 # query rows per block: a block's scores (BLOCK x (BLOCK + window - 1)) stay in cache
 BLOCK = 64
 
-_p = ctypes.c_void_p
-_i3 = ctypes.c_int64 * 3
-
-
 class SlidingWindowArgs(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv")] + \
+    _fields_ = [(n, P) for n in ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv")] + \
                [(n, ctypes.c_int64) for n in ("B", "T", "H", "Dk", "Dv")] + \
-               [(n, _i3) for n in ("sq", "sk", "sv", "sdo")] + \
+               [(n, I3) for n in ("sq", "sk", "sv", "sdo")] + \
                [(n, ctypes.c_int64) for n in ("block", "window", "threads")] + \
                [("scale", ctypes.c_double)]
 
 
 def supports(q, k, v) -> bool:
     """Whether the fused kernel can run this call (else the PyTorch blocks do); builds it on first use."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
-            and enabled() and library() is not None)
+    return takes(q, k, v)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -38,9 +32,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _args(q, k, v, window: int, scale: float) -> SlidingWindowArgs:
     B, T, H, Dk = q.shape
     a = SlidingWindowArgs()
-    a.q, a.k, a.v = _ptr(q), _ptr(k), _ptr(v)
+    a.q, a.k, a.v = ptr(q), ptr(k), ptr(v)
     a.B, a.T, a.H, a.Dk, a.Dv = B, T, H, Dk, v.shape[-1]
-    a.sq, a.sk, a.sv = (_i3(*x.stride()[:3]) for x in (q, k, v))
+    a.sq, a.sk, a.sv = map(strides, (q, k, v))
     a.block, a.window, a.threads = BLOCK, window, torch.get_num_threads()
     a.scale = float(scale)
     return a
@@ -55,8 +49,8 @@ def forward(q, k, v, window: int, scale: float):
     o = q.new_empty(B, T, H, v.shape[-1])
     lse = q.new_empty(B, H, T)
     a = _args(q, k, v, window, scale)
-    a.o, a.lse = _ptr(o), _ptr(lse)
-    getattr(library(), f"lt_sliding_window_forward_{_suffix(q.dtype)}")(ctypes.byref(a))
+    a.o, a.lse = ptr(o), ptr(lse)
+    call("lt_sliding_window_forward", q.dtype, a)
     return o, lse
 
 
@@ -66,8 +60,8 @@ def backward(q, k, v, o, lse, do, window: int, scale: float):
     q, k, v, do = map(_rows, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
     a = _args(q, k, v, window, scale)
-    a.o, a.lse, a.dout = _ptr(o), _ptr(lse), _ptr(do)
-    a.sdo = _i3(*do.stride()[:3])
-    a.dq, a.dk, a.dv = _ptr(dq), _ptr(dk), _ptr(dv)
-    getattr(library(), f"lt_sliding_window_backward_{_suffix(q.dtype)}")(ctypes.byref(a))
+    a.o, a.lse, a.dout = ptr(o), ptr(lse), ptr(do)
+    a.sdo = strides(do)
+    a.dq, a.dk, a.dv = ptr(dq), ptr(dk), ptr(dv)
+    call("lt_sliding_window_backward", q.dtype, a)
     return dq, dk, dv
