@@ -134,12 +134,15 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
         chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device)  # noqa: E731 (elu: F = D)
         gated_chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device, gated=True)  # noqa: E731
-        n = len(op_series(64)) * len(prof.ops_T)
+        n = len(op_series(64, device=device)) * len(prof.ops_T)
         bar = Progress(n, "ops")
         points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, gated_chunk=gated_chunk,
                          device=device, on_point=bar)
         title = "causal attention op, forward + backward (B=1, H=8, D=64, float32)"
-        comparisons = [("linear chunked", "softmax (SDPA)"), (GATED_OP, "linear chunked"), (GATED_OP, "softmax (SDPA)")]
+        from .peers import FLA_GATED_SERIES, FLA_SERIES
+
+        comparisons = [("linear chunked", "softmax (SDPA)"), (GATED_OP, "linear chunked"), (GATED_OP, "softmax (SDPA)"),
+                       (FLA_SERIES, "linear chunked"), (FLA_GATED_SERIES, GATED_OP)]  # fla: on CUDA, if installed
     elif which == "train":
         from .train import run_train
 
@@ -239,7 +242,7 @@ def build_profile(args: BenchOptions) -> Profile:
         from .ops import op_series, select_series
 
         try:
-            select_series(op_series(64), args.ops)
+            select_series(op_series(64, device=args.device), args.ops)
         except ValueError as e:
             raise SystemExit(f"lintrans bench: --ops: {e}")
     if args.max_T:

@@ -16,7 +16,7 @@ class PerT:
         self.make = make
 
 
-def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None) -> dict[str, Callable]:
+def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None, device: str = "cpu") -> dict[str, Callable]:
     """name -> fn(q, k, v) -> o on [B, T, H, D], or a maker T -> such a fn (for a per-T chunk size).
 
     ``chunk_size``: an int or a function T -> int; ``gated_chunk``: the same for the gated series
@@ -38,7 +38,7 @@ def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None) -> dict[st
     series.update(_other_ops())
     from .peers import peer_ops
 
-    series.update(peer_ops(feature_map))
+    series.update(peer_ops(feature_map, device))
     return series
 
 
@@ -116,7 +116,7 @@ def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Cal
 
 def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, gated_chunk=None,
             H: int = 8, D: int = 64, device: str = "cpu", on_point=None) -> list[Point]:
-    series = op_series(chunk_size, gated_chunk=gated_chunk)
+    series = op_series(chunk_size, gated_chunk=gated_chunk, device=device)
     if only:
         series = select_series(series, only)
     def make(T, name, fn):

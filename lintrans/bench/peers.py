@@ -4,6 +4,8 @@ Optional peers (docs/benchmarks.md says how to install each):
 
 * fast-transformers' CPU causal-product kernel (Katharopoulos et al.), wrapped to compute exactly
   ``linear_attention`` with the same feature map.
+* flash-linear-attention's Triton kernel ``chunk_simple_gla``, through ``linear_attention(...,
+  backend="fla")`` (on CUDA only), ungated and with the gate of ``linear chunked gated``.
 * the reference implementation of Manifest's ``retention`` (``retention.reference``): symmetric power
   retention of degree 2 without gating, which is causal linear attention with the squared feature
   map ``(q . k / sqrt(d))^2``. Ours computes it with ``squared_features`` and the chunked form, and
@@ -23,8 +25,12 @@ POWER2_SERIES = "linear chunked, power-2 features"
 COMPANION_OF = {POWER2_SERIES: RETENTION_SERIES}
 
 
-def peer_ops(feature_map: str = "elu") -> dict[str, Callable]:
-    """name -> fn(q, k, v) -> o on [B, T, H, D], for every peer that imports here.
+FLA_SERIES = "fla chunk_simple_gla (backend='fla')"
+FLA_GATED_SERIES = "fla chunk_simple_gla gated (backend='fla')"
+
+
+def peer_ops(feature_map: str = "elu", device: str = "cpu") -> dict[str, Callable]:
+    """name -> fn(q, k, v) -> o on [B, T, H, D], for every peer that imports here and runs on ``device``.
 
     The fast-transformers entry computes what ``linear_attention(feature_map=feature_map)`` does;
     the retention entry comes with the lintrans op that computes the same thing.
@@ -32,7 +38,28 @@ def peer_ops(feature_map: str = "elu") -> dict[str, Callable]:
     out: dict[str, Callable] = {}
     out.update(_fast_transformers(feature_map))
     out.update(_retention())
+    if str(device).startswith("cuda"):
+        out.update(_fla(feature_map))
     return out
+
+
+def _fla(feature_map: str) -> dict[str, Callable]:
+    """Our dispatch to fla's kernel: the same feature map and normaliser as ``linear chunked``, and the
+    same gate as ``linear chunked gated`` (``lintrans.bench.ops._gated``)."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return {}
+    import torch
+
+    from lintrans.ops import linear_attention
+
+    def gated(q, k, v):
+        log_decay = -torch.nn.functional.softplus(q[..., 0]) / 16  # [B,T,H], as _gated's
+        return linear_attention(q, k, v, feature_map=feature_map, log_decay=log_decay, backend="fla")[0]
+
+    return {FLA_SERIES: lambda q, k, v: linear_attention(q, k, v, feature_map=feature_map, backend="fla")[0],
+            FLA_GATED_SERIES: gated}
 
 
 def _fast_transformers(feature_map: str) -> dict[str, Callable]:

@@ -15,6 +15,7 @@ work and memory O(T * block_size * (window + global + random)), plus the global 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -78,6 +79,19 @@ def bigbird_mask(T: int, *, block_size: int = 64, window_blocks: int = 3, global
     return mask
 
 
+@functools.lru_cache(maxsize=64)
+def _pattern_on(device: torch.device, n: int, window_blocks: int, global_blocks: int, random_blocks: int,
+                seed: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key blocks of each query block, [n, K] (padded by repeats), and which slots are real,
+    [n, K], made on the host and copied to ``device`` once: a copy per call would make CUDA wait."""
+    pattern = block_pattern(n, window_blocks=window_blocks, global_blocks=global_blocks,
+                            random_blocks=random_blocks, seed=seed, causal=causal)
+    K = max(len(p) for p in pattern)
+    idx = torch.tensor([p + [p[-1]] * (K - len(p)) for p in pattern])
+    slot_ok = torch.tensor([[s < len(p) for s in range(K)] for p in pattern])
+    return idx.to(device), slot_ok.to(device)
+
+
 def bigbird_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,11 +120,8 @@ def bigbird_attention(
     qb = qh.reshape(B, H, n, c, Dk) * scale
     kb, vb = kh.reshape(B, H, n, c, Dk), vh.reshape(B, H, n, c, Dv)
 
-    pattern = block_pattern(n, window_blocks=window_blocks, global_blocks=global_blocks,
-                            random_blocks=random_blocks, seed=seed, causal=causal)
-    K = max(len(p) for p in pattern)
-    idx = torch.tensor([p + [p[-1]] * (K - len(p)) for p in pattern], device=q.device)  # [n,K] (padded by repeats)
-    slot_ok = torch.tensor([[s < len(p) for s in range(K)] for p in pattern], device=q.device)  # [n,K]
+    idx, slot_ok = _pattern_on(q.device, n, window_blocks, global_blocks, random_blocks, seed, causal)
+    K = idx.shape[1]
     keys = kb[:, :, idx].reshape(B, H, n, K * c, Dk)  # [B,H,n,K c,Dk]: only the attended blocks
     vals = vb[:, :, idx].reshape(B, H, n, K * c, Dv)
     scores = qb @ keys.transpose(-1, -2)  # [B,H,n,c,Kc]

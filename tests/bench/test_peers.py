@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lintrans.bench.peers import (
-    POWER2_SERIES, RETENTION_SERIES, peer_ops, power2_feature_map, power2_linear_attention,
+    FLA_GATED_SERIES, FLA_SERIES, POWER2_SERIES, RETENTION_SERIES, peer_ops, power2_feature_map, power2_linear_attention,
 )
 from lintrans.ops import linear_attention
 
@@ -58,3 +58,16 @@ def test_ops_selection_keeps_companions_with_their_peer():
     assert list(select_series(series, [POWER2_SERIES])) == [POWER2_SERIES]  # its full name picks it
     with pytest.raises(ValueError, match="unknown op series"):
         select_series(series, ["power-2 features"])  # part of a companion's own name does not
+
+
+def test_fla_series_only_on_cuda_and_compute_our_ops(stand_in_fla):
+    """With fla importable (here the documented recurrence standing in), its series join on CUDA only,
+    and compute what ``linear chunked`` and ``linear chunked gated`` compute."""
+    from lintrans.bench.ops import GATED_OP, op_series
+
+    assert FLA_SERIES not in peer_ops("elu", "cpu")
+    ours = op_series(8, device="cpu")
+    fla = peer_ops("elu", "cuda:0")
+    q, k, v = (t.detach() for t in _qkv(1, 19, 2, 4))
+    for peer, own in ((FLA_SERIES, "linear chunked"), (FLA_GATED_SERIES, GATED_OP)):
+        torch.testing.assert_close(fla[peer](q, k, v), ours[own].make(19)(q, k, v), rtol=1e-4, atol=1e-5)

@@ -3,7 +3,6 @@ CPU), our side of the dispatch against the float64 reference with a stand-in for
 follows its documented contract, and the real kernels against ours where CUDA and fla exist."""
 import importlib.util
 import sys
-import types
 
 import pytest
 import torch
@@ -43,31 +42,6 @@ def test_fla_refuses_float64_and_missing_fla(monkeypatch):
     q, k, v = (t.float() for t in (q, k, v))
     with pytest.raises(ValueError, match=r"needs flash-linear-attention \(pip install flash-linear-attention\)"):
         linear_attention(q, k, v, backend="fla")
-
-
-def _documented_chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
-    """fla's documented contract, step by step: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t;
-    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, states [B, H, K, V]."""
-    B, T, H, K = q.shape
-    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
-    outs = []
-    for t in range(T):
-        if g is not None:
-            S = S * g[:, t].exp()[..., None, None]
-        S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
-    return torch.stack(outs, dim=1), (S if output_final_state else None)
-
-
-@pytest.fixture
-def stand_in_fla(monkeypatch):
-    """fla replaced by the documented recurrence, and the CPU let through: what runs is our side."""
-    simple_gla = types.ModuleType("fla.ops.simple_gla")
-    simple_gla.chunk_simple_gla = _documented_chunk_simple_gla
-    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
-                         ("fla.ops.simple_gla", simple_gla)):
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "identity", "based", "rebased"])
