@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, last_contiguous, ptr, takes
+from .binding import I3, P, call, empty, last_contiguous, ptr, takes
 
 # steps between the carried sums forward saves for backward, which recomputes the steps between
 # into buffers that stay in cache (STEPS x a thread's channels x 3 doubles)
@@ -45,8 +45,8 @@ def forward(q, k, v, save: bool):
     sums every CHECKPOINT_STEPS steps, float64 [ncp, 3, B * H * D] (the kernel carries them in double)."""
     q, k, v = map(last_contiguous, (q, k, v))
     B, T, H, D = q.shape
-    o = torch.empty(q.shape, dtype=q.dtype)
-    ckpt = torch.empty(-(-T // CHECKPOINT_STEPS), 3, B * H * D, dtype=torch.float64) if save else None
+    o = empty(q.shape, q)
+    ckpt = empty((-(-T // CHECKPOINT_STEPS), 3, B * H * D), q, torch.float64) if save else None
     a = _args(q, k, v)
     a.q, a.k, a.v, a.o, a.ckpt = ptr(q), ptr(k), ptr(v), ptr(o), ptr(ckpt)
     call("lt_aft_simple_forward", q.dtype, a)
@@ -57,7 +57,7 @@ def forward(q, k, v, save: bool):
 def backward(q, k, v, ckpt, do):
     """(dq, dk, dv), each [B, T, H, D] contiguous; ckpt from forward (with the same CHECKPOINT_STEPS)."""
     q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
-    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype) for _ in range(3))
+    dq, dk, dv = (empty(q.shape, q) for _ in range(3))
     a = _args(q, k, v, do)
     assert ckpt.dtype == torch.float64 and ckpt.shape[0] == -(-q.shape[1] // a.every)
     a.q, a.k, a.v, a.ckpt, a.dout = ptr(q), ptr(k), ptr(v), ptr(ckpt), ptr(do)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -17,6 +20,49 @@ def takes(*xs: torch.Tensor) -> bool:
     the kernels on and built (built here on first use)."""
     return (xs[0].device.type == "cpu" and xs[0].dtype in (torch.float32, torch.float64)
             and all(x.dtype == xs[0].dtype for x in xs) and enabled() and library() is not None)
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
+# outputs at least this large get the advice: smaller ones span at most a huge page or two
+ADVISE_FROM_BYTES = 4 * HUGE_PAGE
+
+
+def empty(shape, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.empty`` on the CPU for a kernel's output, large ones backed by huge pages where the
+    system allows it (``advise_huge_pages``)."""
+    t = torch.empty(shape, dtype=like.dtype if dtype is None else dtype)
+    advise_huge_pages(t)
+    return t
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux to back the 2 MiB-aligned interior of a large new tensor with transparent huge pages
+    (madvise(MADV_HUGEPAGE); honoured where /sys/kernel/mm/transparent_hugepage/enabled is
+    ``madvise`` or ``always``). A fresh multi-MiB output otherwise costs a page fault per 4 KiB when
+    the kernel first writes it, on every call: glibc maps such blocks anew each time and unmaps them
+    when freed. The memory used is the same; only the page size changes. PyTorch does the same for
+    every allocation under ``THP_MEM_ALLOC_ENABLE=1``; this applies it to the kernels' own outputs
+    only. ``LINTRANS_HUGEPAGES=0`` turns it off."""
+    if t.nbytes < ADVISE_FROM_BYTES or not _madvise_enabled():
+        return
+    start = t.data_ptr()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = (start + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if hi > lo:
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE)  # advice: failure is harmless
+
+
+def _madvise_enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("LINTRANS_HUGEPAGES", "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 def ptr(x: Optional[torch.Tensor]):

@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, last_contiguous, ptr, strides, takes
+from .binding import I3, P, call, empty, last_contiguous, ptr, strides, takes
 
 # named feature maps the kernel applies itself (the codes of chunked.cpp's Phi)
 PHI_CODES = {None: 0, "identity": 0, "elu": 1, "relu": 2, "softplus": 3}
@@ -50,9 +50,9 @@ def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps
     B, T, H, F = q.shape
     Dv = v.shape[-1]
     nck = -(-T // chunk)
-    o = q.new_empty(B, T, H, Dv)
-    den = q.new_empty(B, T, H) if normalize else None
-    states = q.new_empty(B, H, -(-nck // CHECKPOINT_CHUNKS), F, Dv + 1)
+    o = empty((B, T, H, Dv), q)
+    den = empty((B, T, H), q) if normalize else None
+    states = empty((B, H, -(-nck // CHECKPOINT_CHUNKS), F, Dv + 1), q)
     S0 = S0.contiguous()
     S_end = torch.empty_like(S0)
     a = _args(q, k, v, ld, chunk, phi, normalize, scale, eps)
@@ -67,8 +67,8 @@ def backward(q, k, v, ld, o, den, states, do, dS_end, chunk: int, phi, normalize
     """(dq, dk, dv, dld or None, dS0), dld [B|1, T, H] as ld."""
     q, k, v, do = map(last_contiguous, (q, k, v, do))
     B, T, H, F = q.shape
-    dq, dk, dv = q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
-    dld = q.new_empty(B, T, H) if need_dld else None
+    dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
+    dld = empty((B, T, H), q) if need_dld else None
     dS_end = dS_end.contiguous()
     dS0 = torch.empty_like(dS_end)
     a = _args(q, k, v, ld, chunk, phi, normalize, scale, eps)

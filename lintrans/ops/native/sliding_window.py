@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, ptr, strides, takes
+from .binding import I3, P, call, empty, ptr, strides, takes
 
 # query rows per block: a block's scores (BLOCK x (BLOCK + window - 1)) stay in cache
 BLOCK = 64
@@ -46,8 +46,8 @@ def forward(q, k, v, window: int, scale: float):
     """(o [B, T, H, Dv] contiguous, lse [B, H, T], each row's base-2 logsumexp, for backward)."""
     q, k, v = map(_rows, (q, k, v))
     B, T, H, _ = q.shape
-    o = q.new_empty(B, T, H, v.shape[-1])
-    lse = q.new_empty(B, H, T)
+    o = empty((B, T, H, v.shape[-1]), q)
+    lse = empty((B, H, T), q)
     a = _args(q, k, v, window, scale)
     a.o, a.lse = ptr(o), ptr(lse)
     call("lt_sliding_window_forward", q.dtype, a)
@@ -58,7 +58,7 @@ def forward(q, k, v, window: int, scale: float):
 def backward(q, k, v, o, lse, do, window: int, scale: float):
     """(dq, dk, dv), contiguous; o and lse from forward."""
     q, k, v, do = map(_rows, (q, k, v, do.to(q.dtype)))
-    dq, dk, dv = q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+    dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
     a = _args(q, k, v, window, scale)
     a.o, a.lse, a.dout = ptr(o), ptr(lse), ptr(do)
     a.sdo = strides(do)
