@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import traceback
 
+# AFT-full, -local and -conv choose between one matmul and per-row references from the keys' values:
+# one host read per call on an accelerator (lintrans/ops/aft.py, _aft_causal), documented in docs/gpu.md
+READS_VALUES = {"aft-full", "aft-local", "aft-conv"}
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from host_sync import READS_VALUES
 from lintrans.models import GPT, GPTConfig
 from lintrans.nn.registry import available_attention
 from lintrans.ops import linear as linear_module
@@ -14,8 +15,6 @@ from lintrans.ops import linear_attention, linear_attention_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# AFT with a position bias reads one value per layer and call (docs/gpu.md): allowed, documented
-READS_VALUES = {"aft-full", "aft-local", "aft-conv"}
 DEVICE = "cuda"
 
 

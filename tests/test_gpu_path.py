@@ -4,7 +4,7 @@ with a CPU one raises, and reading a meta value raises). docs/gpu.md says what t
 import pytest
 import torch
 
-from host_sync import CopiesToDevice, HostSyncError, HostSyncs
+from host_sync import READS_VALUES, CopiesToDevice, HostSyncError, HostSyncs
 from lintrans.models import GPT, GPTConfig
 from lintrans.nn.registry import available_attention
 from lintrans.ops import linear as linear_module
@@ -18,9 +18,6 @@ def random_qkv(B, T, H, Dk, Dv=None, requires_grad=False):
     q, k, v = (torch.randn(B, T, H, d) for d in (Dk, Dk, Dv or Dk))
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
-# AFT-full, -local and -conv choose between one matmul and per-row references from the keys' values:
-# one host read per call on an accelerator (lintrans/ops/aft.py, _aft_causal), documented in docs/gpu.md
-READS_VALUES = {"aft-full", "aft-local", "aft-conv"}
 MODULE_MAPS = {"hedgehog": {}, "rebased": {}, "performer": {"num_features": 8}}
 
 

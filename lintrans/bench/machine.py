@@ -23,7 +23,7 @@ def _thp_mode() -> str:
 def _native_kernels() -> bool:
     from lintrans.ops import native
 
-    return native.enabled() and native.available()
+    return native.active()
 
 
 def machine_info(device: str = "cpu") -> dict:

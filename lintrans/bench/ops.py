@@ -45,15 +45,16 @@ def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None, device: st
 GATED_OP = "linear chunked gated"
 
 
-def _gated(chunk: int, feature_map: str) -> Callable:
+def _gated(chunk: int, feature_map: str, backend: str = "torch") -> Callable:
     """Chunked linear attention with a data-dependent decay per token and head: the gate is computed
     from q (log_decay = -softplus(q[..., 0]) / 16, [B, T, H]), so its backward is timed too, as a
-    trained gate's would be."""
+    trained gate's would be. ``backend="fla"``: the same through fla's kernel (bench/peers.py)."""
     from lintrans.ops import linear_attention
 
     def fn(q, k, v):
         log_decay = -torch.nn.functional.softplus(q[..., 0]) / 16  # [B,T,H]
-        return linear_attention(q, k, v, feature_map=feature_map, chunk_size=chunk, log_decay=log_decay)[0]
+        return linear_attention(q, k, v, feature_map=feature_map, chunk_size=chunk, log_decay=log_decay,
+                                backend=backend)[0]
 
     return fn
 

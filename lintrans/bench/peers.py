@@ -45,21 +45,17 @@ def peer_ops(feature_map: str = "elu", device: str = "cpu") -> dict[str, Callabl
 
 def _fla(feature_map: str) -> dict[str, Callable]:
     """Our dispatch to fla's kernel: the same feature map and normaliser as ``linear chunked``, and the
-    same gate as ``linear chunked gated`` (``lintrans.bench.ops._gated``)."""
+    same gate as ``linear chunked gated`` (``lintrans.bench.ops._gated`` serves both)."""
     try:
         import fla  # noqa: F401
     except ImportError:
         return {}
-    import torch
-
     from lintrans.ops import linear_attention
 
-    def gated(q, k, v):
-        log_decay = -torch.nn.functional.softplus(q[..., 0]) / 16  # [B,T,H], as _gated's
-        return linear_attention(q, k, v, feature_map=feature_map, log_decay=log_decay, backend="fla")[0]
+    from .ops import _gated
 
     return {FLA_SERIES: lambda q, k, v: linear_attention(q, k, v, feature_map=feature_map, backend="fla")[0],
-            FLA_GATED_SERIES: gated}
+            FLA_GATED_SERIES: _gated(64, feature_map, backend="fla")}  # fla picks its own chunk
 
 
 def _fast_transformers(feature_map: str) -> dict[str, Callable]:

@@ -38,9 +38,9 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     if device.type == "cpu":  # the fused kernel (ops/native) and the PyTorch blocks prefer different chunks
-        from .native import available, enabled
+        from .native import active
 
-        path = ":native" if enabled() and available() else ""
+        path = ":native" if active() else ""
         return f"cpu:{cpu_model()}:{torch.get_num_threads()}threads{path}"
     return device.type
 

@@ -110,3 +110,9 @@ def library() -> Optional[ctypes.CDLL]:
 
 def available() -> bool:
     return library() is not None
+
+
+def active() -> bool:
+    """Whether the kernels run now: turned on (``LINTRANS_NATIVE``) and built (here, on first use).
+    Both, since a library loaded earlier stays loaded after ``LINTRANS_NATIVE=0``."""
+    return enabled() and available()

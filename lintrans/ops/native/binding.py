@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import enabled, library
+from . import active, library
 
 P = ctypes.c_void_p  # a tensor's data, or null
 I3 = ctypes.c_int64 * 3  # the strides of a [B, T, H, D] tensor's B, T, H dimensions (D's is 1)
@@ -19,12 +19,12 @@ def takes(*xs: torch.Tensor) -> bool:
     """Whether a kernel can take these inputs: CPU tensors of one dtype, float32 or float64, with
     the kernels on and built (built here on first use)."""
     return (xs[0].device.type == "cpu" and xs[0].dtype in (torch.float32, torch.float64)
-            and all(x.dtype == xs[0].dtype for x in xs) and enabled() and library() is not None)
+            and all(x.dtype == xs[0].dtype for x in xs) and active())
 
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
-# outputs at least this large get the advice: smaller ones span at most a huge page or two
+# outputs at least this large get the advice: smaller ones hold at most three whole huge pages
 ADVISE_FROM_BYTES = 4 * HUGE_PAGE
 
 
