@@ -7,7 +7,8 @@
 //   A = tril(fq fk^T) (times 2^(b_i - b_j) with a decay),  y = fq S (times 2^b_i) + A vb,
 //   S <- 2^b_last S + (fk 2^(b_last - b_j))^T vb.
 // Backward walks the chunks in reverse, carrying dS, the gradient reaching the state after the
-// chunk; the states before the chunks are recomputed from one saved state every `ckpt` chunks.
+// chunk; the states before the chunks are recomputed from one saved state every `ckpt` chunks, in a
+// pass that loads the stretch's chunks (features mapped) and keeps them for the reverse walk.
 #include <omp.h>
 
 #include <algorithm>
@@ -52,9 +53,9 @@ void phi_row(int64_t kind, const T* x, T* y, int64_t n) {
 template <typename T>
 void dphi_row(int64_t kind, const T* g, const T* y, T* out, int64_t n) {
   switch (kind) {
-    case kElu:
+    case kElu:  // not std::min(y, 1): its reference to a temporary stops GCC vectorizing the loop
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) out[i] = g[i] * std::min(y[i], T(1));
+      for (int64_t i = 0; i < n; ++i) out[i] = y[i] > T(1) ? g[i] : g[i] * y[i];
       break;
     case kRelu:
 #pragma omp simd
@@ -185,17 +186,17 @@ void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, int64_t b, int64_t h, in
   const T s = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
     const int64_t row = (b * a.T + t0 + i) * a.H + h;
-    T* o = static_cast<T*>(a.o) + row * a.Dv;
-    const T* yi = &w.y[i * E];
+    T* yi = &w.y[i * E];
     if (a.normalize) {
       const T d = yi[a.Dv] * s + T(a.eps);
       static_cast<T*>(a.den)[row] = d;
 #pragma omp simd
-      for (int64_t e = 0; e < a.Dv; ++e) o[e] = yi[e] * s / d;
+      for (int64_t e = 0; e < a.Dv; ++e) yi[e] = yi[e] * s / d;
     } else {
 #pragma omp simd
-      for (int64_t e = 0; e < a.Dv; ++e) o[e] = yi[e] * s;
+      for (int64_t e = 0; e < a.Dv; ++e) yi[e] *= s;
     }
+    store_row(static_cast<T*>(a.o) + row * a.Dv, yi, a.Dv);
   }
   ch.advance(S, w.kd.data(), cl, gated);
 }
@@ -221,20 +222,19 @@ void forward(const ChunkedArgs& a) {
       }
     }
     std::memcpy(static_cast<T*>(a.S_end) + r.lo * FE, S.data(), S.size() * sizeof(T));
+    store_fence();
   }
 }
 
 // The gradients of one chunk of one head, given Sm (the state before it) and Sn (after it); dS, the
 // gradient reaching the state after the chunk, becomes the gradient reaching the state before it.
 template <typename T>
-void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, int64_t b, int64_t h, int64_t t0, int64_t cl, const T* Sm,
-                    const T* Sn, T* dS) {
+void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int64_t b, int64_t h, int64_t t0,
+                    int64_t cl, const T* Sm, const T* Sn, T* dS) {
   const int64_t F = a.F, E = a.Dv + 1, Dv = a.Dv, c = a.chunk;
   const bool gated = a.ld != nullptr;
-  Chunk<T>& ch = w.ch;
   T *A = w.A.data(), *dA = w.dA.data(), *dy = w.y.data(), *dq = w.dq.data(), *dk = w.dk.data();
   T *dv = w.dv.data(), *kd = w.kd.data();
-  ch.load(a, b, h, t0, cl, true, -c);
   ch.scores(A, cl, gated);
   // dy from do: o = y / d with d = y_z + eps, so dy = do / d and dy_z = -sum(dy o); then the scale
   const T s = T(a.scale);
@@ -305,9 +305,11 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, int64_t b, int64_t h, i
   gemm<T>(true, false, F, E, cl, ch.fq.data(), F, dy, E, 1, dS, E);
   for (int64_t i = 0; i < cl; ++i) {
     const int64_t row = (b * a.T + t0 + i) * a.H + h;
-    dphi_row(a.phi, &dq[i * F], &ch.fq[i * F], static_cast<T*>(a.dq) + row * F, F);
-    dphi_row(a.phi, &dk[i * F], &ch.fk[i * F], static_cast<T*>(a.dk) + row * F, F);
-    std::memcpy(static_cast<T*>(a.dv) + row * Dv, &dv[i * E], Dv * sizeof(T));
+    dphi_row(a.phi, &dq[i * F], &ch.fq[i * F], &dq[i * F], F);
+    dphi_row(a.phi, &dk[i * F], &ch.fk[i * F], &dk[i * F], F);
+    store_row(static_cast<T*>(a.dq) + row * F, &dq[i * F], F);
+    store_row(static_cast<T*>(a.dk) + row * F, &dk[i * F], F);
+    store_row(static_cast<T*>(a.dv) + row * Dv, &dv[i * E], Dv);
   }
 }
 
@@ -323,6 +325,8 @@ void backward(const ChunkedArgs& a) {
     const int64_t nh = r.hi - r.lo;
     Buffers<T> w(c, F, E);
     std::vector<T> X(nh * (a.ckpt + 1) * FE), dS(nh * FE);  // per head: the states of a stretch; dS
+    // per head, the loaded chunks of a stretch: read and mapped once, for both of its passes
+    std::vector<Chunk<T>> held(nh * a.ckpt, Chunk<T>(c, F, E));
     std::memcpy(dS.data(), static_cast<const T*>(a.dS_end) + r.lo * FE, dS.size() * sizeof(T));
     for (int64_t p = ncp - 1; p >= 0; --p) {
       const int64_t m0 = p * a.ckpt, m1 = std::min(m0 + a.ckpt, nck);
@@ -335,19 +339,22 @@ void backward(const ChunkedArgs& a) {
         for (int64_t bh = r.lo; bh < r.hi; ++bh) {
           T* Xm = &X[((bh - r.lo) * (a.ckpt + 1) + m - m0) * FE];
           std::memcpy(Xm + FE, Xm, FE * sizeof(T));
-          w.ch.load(a, bh / a.H, bh % a.H, t0, cl, false, c);
-          w.ch.advance(Xm + FE, w.kd.data(), cl, gated);
+          Chunk<T>& ch = held[(bh - r.lo) * a.ckpt + m - m0];
+          ch.load(a, bh / a.H, bh % a.H, t0, cl, true, c);
+          ch.advance(Xm + FE, w.kd.data(), cl, gated);
         }
       }
       for (int64_t m = m1 - 1; m >= m0; --m) {
         const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
         for (int64_t bh = r.lo; bh < r.hi; ++bh) {
           const T* Xm = &X[((bh - r.lo) * (a.ckpt + 1) + m - m0) * FE];
-          backward_chunk(a, w, bh / a.H, bh % a.H, t0, cl, Xm, Xm + FE, &dS[(bh - r.lo) * FE]);
+          backward_chunk(a, w, held[(bh - r.lo) * a.ckpt + m - m0], bh / a.H, bh % a.H, t0, cl, Xm, Xm + FE,
+                         &dS[(bh - r.lo) * FE]);
         }
       }
     }
     std::memcpy(static_cast<T*>(a.dS0) + r.lo * FE, dS.data(), dS.size() * sizeof(T));
+    store_fence();
   }
 }
 

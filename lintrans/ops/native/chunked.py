@@ -10,7 +10,7 @@ from .binding import I3, P, call, empty, last_contiguous, ptr, strides, takes
 # named feature maps the kernel applies itself (the codes of chunked.cpp's Phi)
 PHI_CODES = {None: 0, "identity": 0, "elu": 1, "relu": 2, "softplus": 3}
 # chunks between the states forward saves for backward (which recomputes the ones between)
-CHECKPOINT_CHUNKS = 16
+CHECKPOINT_CHUNKS = 4
 
 class ChunkedArgs(ctypes.Structure):
     _fields_ = [(n, P) for n in ("q", "k", "v", "ld", "S0", "o", "den", "states", "S_end", "dout", "dS_end",

@@ -6,6 +6,11 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstring>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
@@ -44,6 +49,28 @@ void gemm(bool tA, bool tB, int M, int N, int K, T alpha, const T* A, int lda, c
 template <typename T>
 void gemm(bool tA, bool tB, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc) {
   gemm<T>(tA, tB, M, N, K, T(1), A, lda, B, ldb, beta, C, ldc);
+}
+
+// dst[0:n] = src[0:n] for an output row the call writes once and does not read back: where dst
+// is 64-byte aligned and n whole cache lines, by non-temporal stores, which skip reading each line
+// of fresh output memory in before overwriting it (callers end their writes with store_fence())
+template <typename T>
+inline void store_row(T* dst, const T* src, int64_t n) {
+#ifdef __AVX512F__
+  constexpr int64_t L = 64 / sizeof(T);
+  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % L == 0) {
+    for (int64_t i = 0; i < n; i += L)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n * sizeof(T));
+}
+
+inline void store_fence() {
+#ifdef __AVX512F__
+  _mm_sfence();
+#endif
 }
 
 // One BLAS thread for the calling thread while in scope
