@@ -101,22 +101,19 @@ struct Chunk {
   std::vector<T> fq, fk, vb, bc;
   Chunk(int64_t c, int64_t F, int64_t E) : c(c), F(F), E(E), fq(c * F), fk(c * F), vb(c * E), bc(c) {}
 
-  void load(const ChunkedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t cl, bool queries, int64_t ahead) {
+  // rows t0 .. t0 + cl of head h; both passes walk the chunks forward, so the next one is prefetched
+  void load(const ChunkedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t cl) {
     const T* k = static_cast<const T*>(a.k) + b * a.sk[0] + h * a.sk[2];
     const T* v = static_cast<const T*>(a.v) + b * a.sv[0] + h * a.sv[2];
     const T* q = static_cast<const T*>(a.q) + b * a.sq[0] + h * a.sq[2];
-    const int64_t tn = t0 + ahead;  // the chunk to be loaded next
-    for (int64_t i = 0; i < c && tn + i >= 0 && tn + i < a.T; ++i) {
-      if (queries) prefetch_row(q + (tn + i) * a.sq[1], F);
+    const int64_t tn = t0 + c;  // the chunk to be loaded next
+    for (int64_t i = 0; i < c && tn + i < a.T; ++i) {
+      prefetch_row(q + (tn + i) * a.sq[1], F);
       prefetch_row(k + (tn + i) * a.sk[1], F);
       prefetch_row(v + (tn + i) * a.sv[1], a.Dv);
     }
-    if (queries) {
-      for (int64_t i = 0; i < cl; ++i) {
-        phi_row(a.phi, q + (t0 + i) * a.sq[1], &fq[i * F], F);
-      }
-    }
     for (int64_t i = 0; i < cl; ++i) {
+      phi_row(a.phi, q + (t0 + i) * a.sq[1], &fq[i * F], F);
       phi_row(a.phi, k + (t0 + i) * a.sk[1], &fk[i * F], F);
       const T* y = v + (t0 + i) * a.sv[1];
       std::memcpy(&vb[i * E], y, a.Dv * sizeof(T));
@@ -162,19 +159,18 @@ struct Chunk {
 
 template <typename T>
 struct Buffers {
-  Chunk<T> ch;
   std::vector<T> A, dA, y, dq, dk, dv, kd;
   Buffers(int64_t c, int64_t F, int64_t E)
-      : ch(c, F, E), A(c * c), dA(c * c), y(c * E), dq(c * F), dk(c * F), dv(c * E), kd(c * F) {}
+      : A(c * c), dA(c * c), y(c * E), dq(c * F), dk(c * F), dv(c * E), kd(c * F) {}
 };
 
 // One chunk of one head: its output rows, and S advanced past it.
 template <typename T>
-void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, int64_t b, int64_t h, int64_t t0, int64_t cl, T* S) {
+void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, Chunk<T>& ch, int64_t b, int64_t h, int64_t t0, int64_t cl,
+                   T* S) {
   const int64_t F = a.F, E = a.Dv + 1;
   const bool gated = a.ld != nullptr;
-  Chunk<T>& ch = w.ch;
-  ch.load(a, b, h, t0, cl, true, ch.c);
+  ch.load(a, b, h, t0, cl);
   ch.scores(w.A.data(), cl, gated);
   gemm<T>(false, false, cl, E, F, ch.fq.data(), F, S, E, 0, w.y.data(), E);
   if (gated)
@@ -210,6 +206,7 @@ void forward(const ChunkedArgs& a) {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
     Buffers<T> w(c, F, E);
+    Chunk<T> ch(c, F, E);
     std::vector<T> S((r.hi - r.lo) * FE);  // each head's state
     std::memcpy(S.data(), static_cast<const T*>(a.S0) + r.lo * FE, S.size() * sizeof(T));
     for (int64_t m = 0; m < nck; ++m) {
@@ -218,7 +215,7 @@ void forward(const ChunkedArgs& a) {
         T* Sh = &S[(bh - r.lo) * FE];
         if (m % a.ckpt == 0)
           std::memcpy(static_cast<T*>(a.states) + (bh * ncp + m / a.ckpt) * FE, Sh, FE * sizeof(T));
-        forward_chunk(a, w, bh / a.H, bh % a.H, t0, cl, Sh);
+        forward_chunk(a, w, ch, bh / a.H, bh % a.H, t0, cl, Sh);
       }
     }
     std::memcpy(static_cast<T*>(a.S_end) + r.lo * FE, S.data(), S.size() * sizeof(T));
@@ -340,7 +337,7 @@ void backward(const ChunkedArgs& a) {
           T* Xm = &X[((bh - r.lo) * (a.ckpt + 1) + m - m0) * FE];
           std::memcpy(Xm + FE, Xm, FE * sizeof(T));
           Chunk<T>& ch = held[(bh - r.lo) * a.ckpt + m - m0];
-          ch.load(a, bh / a.H, bh % a.H, t0, cl, true, c);
+          ch.load(a, bh / a.H, bh % a.H, t0, cl);
           ch.advance(Xm + FE, w.kd.data(), cl, gated);
         }
       }
