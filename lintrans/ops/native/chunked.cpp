@@ -6,6 +6,9 @@
 // Per chunk of c tokens (fq, fk its features [c, F], vb its values with a column of ones [c, E]):
 //   A = tril(fq fk^T) (times 2^(b_i - b_j) with a decay),  y = fq S (times 2^b_i) + A vb,
 //   S <- 2^b_last S + (fk 2^(b_last - b_j))^T vb.
+// The ones column is never a product's output column: a 65-wide output costs BLAS ~19% more than a
+// 64-wide one, so products write the Dv value columns and loops add the ones column's part (row sums
+// of A, dot products with the state's last column z).
 // Backward walks the chunks in reverse, carrying dS, the gradient reaching the state after the
 // chunk; the states before the chunks are recomputed from one saved state every `ckpt` chunks, in a
 // pass that loads the stretch's chunks (features mapped) and keeps them for the reverse walk.
@@ -86,11 +89,23 @@ struct ChunkedArgs {
 
 namespace {
 
-// Rows of one head lie H * D apart in [B, T, H, D], a page or so: the hardware prefetcher does not
-// follow them, so each chunk's loads ask for the next chunk's rows ahead of time
+// Rows of one head lie H * D apart in [B, T, H, D]. Each row walk asks for the row kAhead rows
+// further on as it reads one, so that a steady few misses are in flight: asking for a whole chunk at
+// once overflows the miss queue, and its lines, 4 KiB-aliased, evict each other from L1 before use.
+constexpr int64_t kAhead = 32;
+
 template <typename T>
 inline void prefetch_row(const T* x, int64_t n) {
   for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + i);
+}
+
+// out[0:n] = sum over rows i < m of x[i * ld : i * ld + n], row by row so that the loop over n vectorizes
+template <typename T>
+inline void column_sums(const T* x, int64_t m, int64_t n, int64_t ld, T* out) {
+  std::fill_n(out, n, T(0));
+  for (int64_t i = 0; i < m; ++i)
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] += x[i * ld + j];
 }
 
 // One chunk's inputs, loaded into contiguous buffers: features, values with their ones column and,
@@ -101,22 +116,22 @@ struct Chunk {
   std::vector<T> fq, fk, vb, bc;
   Chunk(int64_t c, int64_t F, int64_t E) : c(c), F(F), E(E), fq(c * F), fk(c * F), vb(c * E), bc(c) {}
 
-  // rows t0 .. t0 + cl of head h; both passes walk the chunks forward, so the next one is prefetched
+  // rows t0 .. t0 + cl of head h; both passes walk the chunks forward, so the rows kAhead further on
+  // (into the next chunk) are asked for as these are read
   void load(const ChunkedArgs& a, int64_t b, int64_t h, int64_t t0, int64_t cl) {
     const T* k = static_cast<const T*>(a.k) + b * a.sk[0] + h * a.sk[2];
     const T* v = static_cast<const T*>(a.v) + b * a.sv[0] + h * a.sv[2];
     const T* q = static_cast<const T*>(a.q) + b * a.sq[0] + h * a.sq[2];
-    const int64_t tn = t0 + c;  // the chunk to be loaded next
-    for (int64_t i = 0; i < c && tn + i < a.T; ++i) {
-      prefetch_row(q + (tn + i) * a.sq[1], F);
-      prefetch_row(k + (tn + i) * a.sk[1], F);
-      prefetch_row(v + (tn + i) * a.sv[1], a.Dv);
-    }
     for (int64_t i = 0; i < cl; ++i) {
-      phi_row(a.phi, q + (t0 + i) * a.sq[1], &fq[i * F], F);
-      phi_row(a.phi, k + (t0 + i) * a.sk[1], &fk[i * F], F);
-      const T* y = v + (t0 + i) * a.sv[1];
-      std::memcpy(&vb[i * E], y, a.Dv * sizeof(T));
+      const int64_t t = t0 + i, tn = t + kAhead;
+      if (tn < a.T) {
+        prefetch_row(q + tn * a.sq[1], F);
+        prefetch_row(k + tn * a.sk[1], F);
+        prefetch_row(v + tn * a.sv[1], a.Dv);
+      }
+      phi_row(a.phi, q + t * a.sq[1], &fq[i * F], F);
+      phi_row(a.phi, k + t * a.sk[1], &fk[i * F], F);
+      std::memcpy(&vb[i * E], v + t * a.sv[1], a.Dv * sizeof(T));
       vb[i * E + a.Dv] = 1;
     }
     if (a.ld) {
@@ -141,8 +156,9 @@ struct Chunk {
     }
   }
 
-  // S <- 2^b_last S + kd^T vb, kd = fk decayed to the chunk's end (written to kd)
-  void advance(T* S, T* kd, int64_t cl, bool gated) const {
+  // S <- 2^b_last S + kd^T vb, kd = fk decayed to the chunk's end (written to kd); zs: F scratch
+  void advance(T* S, T* kd, T* zs, int64_t cl, bool gated) const {
+    const int64_t Dv = E - 1;
     const T* keys = fk.data();
     if (gated) {
       const T last = bc[cl - 1], g = vexp2(last);
@@ -153,15 +169,17 @@ struct Chunk {
       }
       keys = kd;
     }
-    gemm<T>(true, false, F, E, cl, keys, F, vb.data(), E, 1, S, E);
+    gemm<T>(true, false, F, Dv, cl, keys, F, vb.data(), E, 1, S, E);
+    column_sums(keys, cl, F, F, zs);  // z += the keys' column sums
+    for (int64_t f = 0; f < F; ++f) S[f * E + Dv] += zs[f];
   }
 };
 
 template <typename T>
 struct Buffers {
-  std::vector<T> A, dA, y, dq, dk, dv, kd;
+  std::vector<T> A, dA, y, dq, dk, dv, kd, z;
   Buffers(int64_t c, int64_t F, int64_t E)
-      : A(c * c), dA(c * c), y(c * E), dq(c * F), dk(c * F), dv(c * E), kd(c * F) {}
+      : A(c * c), dA(c * c), y(c * E), dq(c * F), dk(c * F), dv(c * E), kd(c * F), z(F) {}
 };
 
 // One chunk of one head: its output rows, and S advanced past it.
@@ -172,13 +190,30 @@ void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, Chunk<T>& ch, int64_t b,
   const bool gated = a.ld != nullptr;
   ch.load(a, b, h, t0, cl);
   ch.scores(w.A.data(), cl, gated);
-  gemm<T>(false, false, cl, E, F, ch.fq.data(), F, S, E, 0, w.y.data(), E);
+  const int64_t Dv = a.Dv;
+  T* z = w.z.data();  // the state's ones column, contiguous
+  for (int64_t f = 0; f < F; ++f) z[f] = S[f * E + Dv];
+  gemm<T>(false, false, cl, Dv, F, ch.fq.data(), F, S, E, 0, w.y.data(), E);
+  for (int64_t i = 0; i < cl; ++i) {
+    const T* fqi = &ch.fq[i * F];
+    T acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t f = 0; f < F; ++f) acc += fqi[f] * z[f];
+    w.y[i * E + Dv] = acc;
+  }
   if (gated)
     for (int64_t i = 0; i < cl; ++i) {
       const T d = vexp2(ch.bc[i]);
       for (int64_t e = 0; e < E; ++e) w.y[i * E + e] *= d;
     }
-  gemm<T>(false, false, cl, E, cl, w.A.data(), ch.c, ch.vb.data(), E, 1, w.y.data(), E);
+  gemm<T>(false, false, cl, Dv, cl, w.A.data(), ch.c, ch.vb.data(), E, 1, w.y.data(), E);
+  for (int64_t i = 0; i < cl; ++i) {  // A times the ones column: A's row sums (its masked part is 0)
+    const T* Ai = &w.A[i * ch.c];
+    T acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < cl; ++j) acc += Ai[j];
+    w.y[i * E + Dv] += acc;
+  }
   const T s = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
     const int64_t row = (b * a.T + t0 + i) * a.H + h;
@@ -194,7 +229,7 @@ void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, Chunk<T>& ch, int64_t b,
     }
     store_row(static_cast<T*>(a.o) + row * a.Dv, yi, a.Dv);
   }
-  ch.advance(S, w.kd.data(), cl, gated);
+  ch.advance(S, w.kd.data(), w.z.data(), cl, gated);
 }
 
 template <typename T>
@@ -240,6 +275,12 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
     const int64_t t = t0 + i, row = (b * a.T + t) * a.H + h;
     const T* g = dout + t * a.sdo[1];
     T* dyi = &dy[i * E];
+    // rows kAhead on, or past the chunk's end the first rows of the chunk before (next in reverse)
+    const int64_t ahead = i + kAhead < cl ? kAhead : kAhead - 2 * c;
+    if (t + ahead >= 0) {
+      prefetch_row(g + ahead * a.sdo[1], Dv);
+      if (a.normalize) prefetch_row(static_cast<const T*>(a.o) + (row + ahead * a.H) * Dv, Dv);
+    }
     if (a.normalize) {
       const T d = static_cast<const T*>(a.den)[row];
       const T* o = static_cast<const T*>(a.o) + row * Dv;
@@ -257,7 +298,7 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
     for (int64_t e = 0; e < E; ++e) dyi[e] *= s;
   }
   gemm<T>(false, true, cl, cl, E, dy, E, ch.vb.data(), E, 0, dA, c);  // d(scores)
-  gemm<T>(true, false, cl, E, cl, A, c, dy, E, 0, dv, E);
+  gemm<T>(true, false, cl, Dv, cl, A, c, dy, E, 0, dv, E);  // dv: the value columns only
   T last = 0;
   if (gated) {  // from here on dy is the gradient of the state's part of y before its decay 2^b_i
     last = ch.bc[cl - 1];
@@ -267,7 +308,7 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
       for (int64_t f = 0; f < F; ++f) kd[i * F + f] = ch.fk[i * F + f] * dk_;
     }
   }
-  gemm<T>(false, false, cl, E, F, gated ? kd : ch.fk.data(), F, dS, E, 1, dv, E);
+  gemm<T>(false, false, cl, Dv, F, gated ? kd : ch.fk.data(), F, dS, E, 1, dv, E);
   gemm<T>(false, true, cl, F, E, dy, E, Sm, E, 0, dq, F);
   gemm<T>(false, true, cl, F, E, ch.vb.data(), E, dS, E, 0, dk, F);  // d kd
   for (int64_t i = 0; i < cl; ++i) {
@@ -299,7 +340,16 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
     const T g = vexp2(last);
     for (int64_t x = 0; x < F * E; ++x) dS[x] *= g;
   }
-  gemm<T>(true, false, F, E, cl, ch.fq.data(), F, dy, E, 1, dS, E);
+  gemm<T>(true, false, F, Dv, cl, ch.fq.data(), F, dy, E, 1, dS, E);
+  T* zc = w.z.data();  // dS's ones column: fq^T dy_z
+  std::fill_n(zc, F, T(0));
+  for (int64_t i = 0; i < cl; ++i) {
+    const T g = dy[i * E + Dv];
+    const T* fqi = &ch.fq[i * F];
+#pragma omp simd
+    for (int64_t f = 0; f < F; ++f) zc[f] += fqi[f] * g;
+  }
+  for (int64_t f = 0; f < F; ++f) dS[f * E + Dv] += zc[f];
   for (int64_t i = 0; i < cl; ++i) {
     const int64_t row = (b * a.T + t0 + i) * a.H + h;
     dphi_row(a.phi, &dq[i * F], &ch.fq[i * F], &dq[i * F], F);
@@ -338,7 +388,7 @@ void backward(const ChunkedArgs& a) {
           std::memcpy(Xm + FE, Xm, FE * sizeof(T));
           Chunk<T>& ch = held[(bh - r.lo) * a.ckpt + m - m0];
           ch.load(a, bh / a.H, bh % a.H, t0, cl);
-          ch.advance(Xm + FE, w.kd.data(), cl, gated);
+          ch.advance(Xm + FE, w.kd.data(), w.z.data(), cl, gated);
         }
       }
       for (int64_t m = m1 - 1; m >= m0; --m) {
