@@ -41,9 +41,11 @@ def test_other_calls_keep_the_pytorch_blocks(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("decay", [None, "per-token", "fixed"])
-def test_kernel_equals_reference_and_blocks(monkeypatch, decay):
+@pytest.mark.parametrize("chunk", [8, 37, 64])
+def test_kernel_equals_reference_and_blocks(monkeypatch, decay, chunk):
     """float32, several stretches between saved states, a tail chunk, Dk != Dv, an initial state,
-    non-contiguous q, k, v (views into one projection, as the GPT passes them), scale and eps."""
+    non-contiguous q, k, v (views into one projection, as the GPT passes them), scale and eps; chunks
+    of 37 and 64 rows take the split in-chunk products (an odd split at 37, whole tails of 9 and 19)."""
     monkeypatch.setattr(native_chunked, "CHECKPOINT_CHUNKS", 2)
     B, T, H, Dk, Dv = 2, 83, 3, 5, 7
     g = torch.Generator().manual_seed(0)
@@ -63,14 +65,16 @@ def test_kernel_equals_reference_and_blocks(monkeypatch, decay):
         return [o, S, z, *grads]
 
     calls = counted(monkeypatch)
-    got = run(linear_attention, torch.float32, chunk_size=8, output_final_state=True)
+    got = run(linear_attention, torch.float32, chunk_size=chunk, output_final_state=True)
     assert calls == [1]
     want = run(linear_attention_reference, torch.float64)
     monkeypatch.setenv("LINTRANS_NATIVE", "0")
-    blocks = run(linear_attention, torch.float32, chunk_size=8, output_final_state=True)
+    blocks = run(linear_attention, torch.float32, chunk_size=chunk, output_final_state=True)
     for a, b, r in zip(got, blocks, want):
         torch.testing.assert_close(a, r.float(), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # a fixed decay's gradient (~60) sums every position's term in float32, in a different order
+        # in each: both lie within 2e-6 of the float64 one, apart from each other by up to 1.3e-5
+        torch.testing.assert_close(a, b, rtol=3e-5, atol=1e-5)
 
 
 @needs_native
