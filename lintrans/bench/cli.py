@@ -82,7 +82,7 @@ class BenchOptions:
         "help": "linear forms for train (default: the profile's)"})
     mechanisms: Optional[list[str]] = field(default=None, metadata={
         "help": "other attention mechanisms to train beside softmax and linear, e.g. gated-linear retention"})
-    repeats: Optional[int] = field(default=None, metadata={"help": "timed repeats per point (the fastest is kept)"})
+    repeats: Optional[int] = field(default=None, metadata={"help": "timed repeats per point, all taken whatever the profile's time budget (the fastest is kept)"})
     device: str = "cpu"
 
 
@@ -280,6 +280,9 @@ def build_profile(args: BenchOptions) -> Profile:
         if args.repeats < 1:
             raise SystemExit(f"lintrans bench: --repeats must be >= 1, got {args.repeats}")
         prof.caps.repeats = args.repeats
+        # asked for by number: all of them, whatever the profile's time budget per point (which
+        # otherwise times a step slower than the budget once)
+        prof.caps.budget_s = args.repeats * prof.caps.time_s
     if args.mechanisms:
         from lintrans.nn.registry import available_attention
 

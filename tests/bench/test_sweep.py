@@ -196,3 +196,25 @@ def test_noise_warning_only_past_the_threshold():
 
     assert noise_warning({"matmul_slowest_over_fastest": 1.6}) is None
     assert "3.9x its fastest" in noise_warning({"matmul_slowest_over_fastest": 3.9})
+
+
+def test_repeats_asked_for_by_number_are_all_taken(fake_clock, monkeypatch):
+    """`bench --repeats 3` times a step three times even where it is slower than the profile's
+    budget, which alone would time it once (a 64k op once, its second call after the warm-up)."""
+    from lintrans.bench.cli import BenchOptions, build_profile
+    from lintrans.bench.measure import Series, sweep_side_by_side
+
+    calls = []
+    monkeypatch.setattr(measure, "peak_memory", lambda fn, device="cpu": None)
+    caps = build_profile(BenchOptions(profile="quick", repeats=3)).caps
+    cost = caps.time_s / 2  # under the time cap, far over the quick profile's budget of a second
+    step = lambda T: (lambda: calls.append(T) or fake_clock.__setitem__(0, fake_clock[0] + cost))  # noqa: E731
+    sweep_side_by_side([Series("a", step)], [256], caps)
+    assert len(calls) == 1 + 3  # the warm-up, then every repeat asked for
+    calls.clear()
+    default = build_profile(BenchOptions(profile="quick")).caps
+    expensive = default.budget_s * 2  # a step the default budget times once
+    step = lambda T: (lambda: calls.append(T) or fake_clock.__setitem__(0, fake_clock[0] + expensive))  # noqa: E731
+    sweep_side_by_side([Series("a", step)], [256], Caps(time_s=expensive * 2, repeats=default.repeats,
+                                                        budget_s=default.budget_s))
+    assert len(calls) == 2  # without --repeats the budget rules
