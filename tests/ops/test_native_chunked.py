@@ -78,10 +78,11 @@ def test_kernel_equals_reference_and_blocks(monkeypatch, decay, chunk):
 
 
 @needs_native
-def test_kernel_gradcheck():
-    q, k, v = (x.requires_grad_() for x in random_qkv(1, 7, 2, 3, 2))
-    ld = (-torch.rand(1, 7, 2, dtype=torch.float64)).requires_grad_()
-    fn = lambda q, k, v, ld: linear_attention(q, k, v, chunk_size=3, log_decay=ld, feature_map="softplus")[0]  # noqa: E731
+@pytest.mark.parametrize("T, chunk", [(7, 3), (40, 33)])  # 33: the split in-chunk products, in float64
+def test_kernel_gradcheck(T, chunk):
+    q, k, v = (x.requires_grad_() for x in random_qkv(1, T, 2, 3, 2))
+    ld = (-torch.rand(1, T, 2, dtype=torch.float64)).requires_grad_()
+    fn = lambda q, k, v, ld: linear_attention(q, k, v, chunk_size=chunk, log_decay=ld, feature_map="softplus")[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v, ld))
 
 
