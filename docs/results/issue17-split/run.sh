@@ -28,3 +28,6 @@ step layer-48L-128.jsonl $PY docs/results/train-step-17/ab_train.py --size 48L-1
 step ops-64k-repeats/ops.json $PY -m lintrans bench ops --T 16384 65536 --ops "linear chunked" --repeats 4 --out $R/ops-64k-repeats
 step cost-measure-op-third.log bash -c "$PY -m lintrans cost --n-layer 1 --n-head 8 --n-embd 512 --T 4096 16384 65536 --measure-op > $R/cost-measure-op-third.log 2>&1"
 step cost-measure-op-fourth.log bash -c "$PY -m lintrans cost --n-layer 1 --n-head 8 --n-embd 512 --T 4096 16384 65536 --measure-op > $R/cost-measure-op-fourth.log 2>&1"
+# the 48L-128 step with the kernels' huge-page advice off and on (two repeats each, 00:58-01:08)
+step step-48L-128-hugepages-off.jsonl env LINTRANS_HUGEPAGES=0 $PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --rounds 2 --out $R/step-48L-128-hugepages-off.jsonl
+step step-48L-128-hugepages-on.jsonl $PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --rounds 2 --out $R/step-48L-128-hugepages-on.jsonl
