@@ -28,6 +28,16 @@ step layer-48L-128.jsonl $PY docs/results/train-step-17/ab_train.py --size 48L-1
 step ops-64k-repeats/ops.json $PY -m lintrans bench ops --T 16384 65536 --ops "linear chunked" --repeats 4 --out $R/ops-64k-repeats
 step cost-measure-op-third.log bash -c "$PY -m lintrans cost --n-layer 1 --n-head 8 --n-embd 512 --T 4096 16384 65536 --measure-op > $R/cost-measure-op-third.log 2>&1"
 step cost-measure-op-fourth.log bash -c "$PY -m lintrans cost --n-layer 1 --n-head 8 --n-embd 512 --T 4096 16384 65536 --measure-op > $R/cost-measure-op-fourth.log 2>&1"
-# the 48L-128 step with the kernels' huge-page advice off and on (two repeats each, 00:58-01:08)
+# the 48L-128 step with the kernels' huge-page advice off and on (two repeats each, 00:45-00:50)
 step step-48L-128-hugepages-off.jsonl env LINTRANS_HUGEPAGES=0 $PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --rounds 2 --out $R/step-48L-128-hugepages-off.jsonl
 step step-48L-128-hugepages-on.jsonl $PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --rounds 2 --out $R/step-48L-128-hugepages-on.jsonl
+# page faults of one steady step of each model alone, split by where they happen (perf)
+if [ ! -s $R/step-faults.log ]; then
+  for s in chunked floor; do
+    perf record -q -k CLOCK_MONOTONIC -e page-faults -g -o /tmp/step-faults-$s.data $PY $R/step_faults.py $s > /tmp/step-faults-$s.out 2>&1
+    grep STEP /tmp/step-faults-$s.out | tee -a $R/step-faults.log.tmp
+    w=$(grep STEP /tmp/step-faults-$s.out | head -1 | awk '{print $3","$4}')
+    perf report -i /tmp/step-faults-$s.data --time $w --no-children --sort dso,symbol -g none 2>/dev/null | grep -E "^\s+[0-9]" | head -10 | cut -c1-160 >> $R/step-faults.log.tmp
+  done
+  mv $R/step-faults.log.tmp $R/step-faults.log
+fi
