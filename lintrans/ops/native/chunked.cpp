@@ -99,13 +99,17 @@ inline void prefetch_row(const T* x, int64_t n) {
   for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + i);
 }
 
-// out[0:n] = sum over rows i < m of x[i * ld : i * ld + n], row by row so that the loop over n vectorizes
+// out[0:n] = sum over rows i < m of w_i x[i * ld : i * ld + n], w_i = w[i * ldw] (1 where w is null),
+// row by row so that the loop over n vectorizes
 template <typename T>
-inline void column_sums(const T* x, int64_t m, int64_t n, int64_t ld, T* out) {
+inline void column_sums(const T* x, int64_t m, int64_t n, int64_t ld, T* out, const T* w = nullptr,
+                        int64_t ldw = 0) {
   std::fill_n(out, n, T(0));
-  for (int64_t i = 0; i < m; ++i)
+  for (int64_t i = 0; i < m; ++i) {
+    const T wi = w ? w[i * ldw] : T(1);
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) out[j] += x[i * ld + j];
+    for (int64_t j = 0; j < n; ++j) out[j] += wi * x[i * ld + j];
+  }
 }
 
 // The in-chunk products with a causal [cl, cl] matrix L, in two row blocks split at h: the upper right
@@ -372,14 +376,8 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
     for (int64_t x = 0; x < F * E; ++x) dS[x] *= g;
   }
   gemm<T>(true, false, F, Dv, cl, ch.fq.data(), F, dy, E, 1, dS, E);
-  T* zc = w.z.data();  // dS's ones column: fq^T dy_z
-  std::fill_n(zc, F, T(0));
-  for (int64_t i = 0; i < cl; ++i) {
-    const T g = dy[i * E + Dv];
-    const T* fqi = &ch.fq[i * F];
-#pragma omp simd
-    for (int64_t f = 0; f < F; ++f) zc[f] += fqi[f] * g;
-  }
+  T* zc = w.z.data();
+  column_sums(ch.fq.data(), cl, F, F, zc, dy + Dv, E);  // dS's ones column: fq^T dy_z
   for (int64_t f = 0; f < F; ++f) dS[f * E + Dv] += zc[f];
   for (int64_t i = 0; i < cl; ++i) {
     const int64_t row = (b * a.T + t0 + i) * a.H + h;
