@@ -22,7 +22,7 @@ step ops-second-run/ops.json $PY -m lintrans bench ops --T 4096 16384 --ops soft
 [ "$(runs $R/step-48L-128.jsonl)" -ge 3 ] || $PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --rounds 4 --out $R/step-48L-128.jsonl
 # added after the first pass through: the op at the 48L-128 layer's 2 heads, the step's profile, one
 # layer alone, and 64k with every repeat taken (bench --repeats now overrides the time budget)
-step ab-heads-2.log bash -c "$PY $R/ab_heads.py $OLD_SO $NEW_SO 2 > $R/ab-heads-2.log 2>&1"
+step ab-heads-2.log bash -c "CKPT_OLD=4 CKPT_NEW=4 $PY docs/results/issue17-vectorized/ab_kernels.py $OLD_SO $NEW_SO --T 16384 --H 2 --rounds 10 > $R/ab-heads-2.log 2>&1"
 step profile-48L-128.log bash -c "$PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --profile --top 22 2>&1 | grep -v 'it/s\|USDT' > $R/profile-48L-128.log"
 step layer-48L-128.jsonl $PY docs/results/train-step-17/ab_train.py --size 48L-128 --T 16384 --layer --rounds 6 --out $R/layer-48L-128.jsonl
 step ops-64k-repeats/ops.json $PY -m lintrans bench ops --T 16384 65536 --ops "linear chunked" --repeats 4 --out $R/ops-64k-repeats

@@ -1,5 +1,5 @@
 """Two builds of the fused kernels side by side in one plain process: the chunked op (and its gated
-form) at each T, forward + backward on [1, T, 8, 64] float32, the builds swapped in turn (A B A B ...),
+form) at each T, forward + backward on [1, T, H, 64] float32 (H = 8, or --H), the builds swapped in turn (A B A B ...),
 each with its own spacing of saved states (CKPT_OLD, CKPT_NEW: CHECKPOINT_CHUNKS of its version).
 Median, fastest and first quartile of each.
 
@@ -29,13 +29,14 @@ p.add_argument("old")
 p.add_argument("new")
 p.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
 p.add_argument("--rounds", type=int, default=8)
+p.add_argument("--H", type=int, default=8, help="heads (2: the 48L-128 layer's op)")
 args = p.parse_args()
 libs = {"old": ctypes.CDLL(args.old), "new": ctypes.CDLL(args.new)}
 print("probe", matmul_probe(), "load", os.getloadavg())
 for T in args.T:
     g = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, T, 8, 64, generator=g).requires_grad_() for _ in range(3))
-    do = torch.randn(1, T, 8, 64, generator=g)
+    q, k, v = (torch.randn(1, T, args.H, 64, generator=g).requires_grad_() for _ in range(3))
+    do = torch.randn(1, T, args.H, 64, generator=g)
     for gated in (False, True):
         def step():
             ld = -torch.nn.functional.softplus(q[..., 0]) / 16 if gated else None
