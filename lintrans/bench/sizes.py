@@ -15,8 +15,9 @@ SIZES = {
     "48L-128": (48, 2, 128),
 }
 
-# other names accepted for a size (the long label is what older records and commands used)
-ALIASES = {"12L-768 (GPT-2 124M)": "12L-768", "gpt2": "12L-768"}
+# other names accepted for a size: the shipped training config of the same shape (`lintrans train
+# --config gpt2-124m`), and the long label older records and commands used
+ALIASES = {"gpt2-124m": "12L-768", "12L-768 (GPT-2 124M)": "12L-768", "gpt2": "12L-768"}
 
 
 def resolve_size(name: str, flag: str = "--size") -> str:

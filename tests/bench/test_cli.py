@@ -143,6 +143,19 @@ def test_size_names_short_and_long(capsys):
         resolve_size("12L-769")
 
 
+def test_shipped_config_names_are_sizes(capsys):
+    """`train --config gpt2-124m` and `cost --size gpt2-124m` name the same model."""
+    import tomllib
+    from importlib.resources import files
+
+    from lintrans.bench.sizes import SIZES, resolve_size
+
+    model = tomllib.loads(files("lintrans.configs").joinpath("gpt2-124m.toml").read_text())["model"]
+    assert SIZES[resolve_size("gpt2-124m")] == (model["n_layer"], model["n_head"], model["n_embd"])
+    assert main(["cost", "--size", "gpt2-124m", "--T", "1024"]) == 0
+    assert "124,439,808" in capsys.readouterr().out
+
+
 def test_abbreviated_flags_are_rejected_and_version_is_printed(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--train.max_st", "3", "--print-config"])
