@@ -40,6 +40,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extras: list[str]) -> None:
+    """Exit with the subcommand's usage and, for each unknown flag, the closest known one: a typo
+    (``--train.max_step``) names the key it meant, as ``--set`` and config files do."""
+    import difflib
+
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    target = sub.choices[command] if sub is not None and command in sub.choices else parser
+    known = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extras:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--") and (close := difflib.get_close_matches(flag, known, n=1, cutoff=0.75)):
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    target.error(f"unrecognized arguments: {' '.join(extras)}" + "".join("\n  " + h for h in hints))
+
+
 def use_huge_pages() -> None:
     """Ask PyTorch's CPU allocator for transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, PyTorch
     >= 2.2, Linux) unless the variable is already set.
@@ -60,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         command = None
     parser = build_parser(only=command)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(parser, command, extras)
     if args.command is None:
         parser.print_help()
         return 0

@@ -165,6 +165,18 @@ def test_abbreviated_flags_are_rejected_and_version_is_printed(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("lintrans ")
 
 
+def test_a_misspelt_flag_names_the_closest_key(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--train.max_step", "5", "--print-config"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: lintrans train" in err
+    assert "--train.max_step: did you mean --train.max_steps?" in err
+    with pytest.raises(SystemExit):
+        main(["train", "--zzzzzz", "--print-config"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
 def test_demo_writes_its_record_to_a_folder_it_names(tmp_path, monkeypatch, capsys):
     from lintrans.bench import cli as bench_cli
     from lintrans.bench.report import speedup
