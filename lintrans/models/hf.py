@@ -301,7 +301,14 @@ def load_model(path, **overrides) -> GPT:
     if not (path / "config.json").is_file():
         if (path / "ckpt.pt").is_file():
             return load_nanogpt(path / "ckpt.pt", **overrides)
-        raise FileNotFoundError(f"{path} has neither config.json (lintrans / Hugging Face) nor ckpt.pt (nanoGPT)")
+        hint = ""
+        # a training run's out_dir holds its checkpoint one level down (train/checkpoint.py's layout)
+        for name in ("checkpoint", "checkpoint.old"):
+            if (path / name / "config.json").is_file():
+                hint = f"; it looks like a training run's folder: its checkpoint is {path / name}"
+                break
+        raise FileNotFoundError(f"{path} has neither config.json (lintrans / Hugging Face) nor ckpt.pt (nanoGPT)"
+                                + hint)
     cfg = read_json_object(path / "config.json")
     inner = _lintrans_config(cfg)
     if inner is None:

@@ -45,6 +45,17 @@ def test_sample_bad_input(byte_checkpoint, tmp_path, capsys):
     assert "--num-samples must be >= 1" in capsys.readouterr().err
 
 
+def test_sample_on_a_training_run_folder_names_its_checkpoint(tmp_path, capsys):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=257))
+    save_model(model, tmp_path / "run" / "checkpoint")
+    assert main(["sample", "--checkpoint", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "neither config.json" in err and f"its checkpoint is {tmp_path / 'run' / 'checkpoint'}" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["sample", "--checkpoint", str(tmp_path / "empty")]) == 2
+    assert "its checkpoint is" not in capsys.readouterr().err
+
+
 def test_sample_past_the_block_size_and_several_samples(byte_checkpoint, capsys):
     path, _ = byte_checkpoint  # block_size 64: 200 new tokens need the context cropped
     assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "200", "--prompt", "x",
