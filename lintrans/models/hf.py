@@ -76,13 +76,22 @@ def _new_attention_keys(model: GPT) -> list[str]:
     ]
 
 
+class AttentionSwapWarning(UserWarning):
+    """Weights loaded into an attention mechanism they were not trained with (``trained_with``)."""
+
+    def __init__(self, message: str, trained_with: str = "softmax"):
+        super().__init__(message)
+        self.trained_with = trained_with
+
+
 def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: str = "softmax") -> GPT:
     model = GPT(config)
     swapped = config.attention != pretrained_attention
     if swapped:
-        warnings.warn(f"{source} was trained with {pretrained_attention!r} attention and is loaded with "
-                      f"{config.attention!r}: its weights were not trained for it, so expect a worse model until "
-                      "it is fine-tuned (train.init_from)", stacklevel=3)
+        warnings.warn(AttentionSwapWarning(
+            f"{source} was trained with {pretrained_attention!r} attention and is loaded with "
+            f"{config.attention!r}: its weights were not trained for it, so expect a worse model until "
+            "it is fine-tuned (train.init_from)", pretrained_attention), stacklevel=3)
     allow = _new_attention_keys(model) if swapped else ()
     return load_state_dict_checked(model, state, allow, source)
 

@@ -189,18 +189,30 @@ def _apply_optim_config(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> list[
 def _initial_model(cfg: TrainConfig, tokenizer, say):
     """The model of ``train.init_from`` with the weight-preserving model keys of the config applied
     (e.g. ``model.attention=linear`` linearises it, as ``from_pretrained(..., attention=...)`` does)."""
-    from lintrans.models.hf import WEIGHT_PRESERVING, from_pretrained
+    import warnings
+
+    from lintrans.models.hf import WEIGHT_PRESERVING, AttentionSwapWarning, from_pretrained
 
     overrides = {k: v for k, v in cfg.model.items() if k in WEIGHT_PRESERVING}
     ignored = sorted(k for k in cfg.model if k not in WEIGHT_PRESERVING)
-    model = from_pretrained(cfg.train.init_from, **overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = from_pretrained(cfg.train.init_from, **overrides)
+    trained_with = None
+    for w in caught:
+        # the swap warning tells a sampler to fine-tune; this run is that fine-tuning, so it is news only
+        if isinstance(w.message, AttentionSwapWarning):
+            trained_with = w.message.trained_with
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ignored:
         say(f"train.init_from: the model's shape comes from {cfg.train.init_from}; the config's "
             f"{['model.' + k for k in ignored]} are not used (only {list(WEIGHT_PRESERVING)} apply)")
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"train.init_from {cfg.train.init_from} has {model.config.vocab_size} tokens, fewer than "
                          f"the {tokenizer.name} tokenizer's {tokenizer.vocab_size}: set data.tokenizer to its own")
-    say(f"initial weights from {cfg.train.init_from} ({model.config.attention} attention)")
+    swap = f", trained with {trained_with} attention: this run fine-tunes them for it" if trained_with else ""
+    say(f"initial weights from {cfg.train.init_from} ({model.config.attention} attention){swap}")
     return model
 
 

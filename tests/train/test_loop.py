@@ -252,12 +252,17 @@ def test_abandoned_save_folders_are_removed_at_the_next_start(tiny_config, capsy
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_init_from_starts_from_the_weights_and_can_swap_attention(tiny_config, attention, capsys):
+    import warnings
+
     teacher = train(tiny_config("teacher", **{"train.max_steps": 40}))
     fresh = train(tiny_config("fresh", **{"train.max_steps": 1}))
-    tuned = train(tiny_config("tuned", **{"train.max_steps": 1, "model.attention": attention,
-                                         "train.init_from": str(teacher.out_dir / "checkpoint")}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fine-tuning the swapped attention is what the run does: no warning
+        tuned = train(tiny_config("tuned", **{"train.max_steps": 1, "model.attention": attention,
+                                             "train.init_from": str(teacher.out_dir / "checkpoint")}))
     err = capsys.readouterr().err
     assert f"initial weights from {teacher.out_dir / 'checkpoint'} ({attention} attention)" in err
+    assert ("this run fine-tunes them" in err) == (attention != "softmax") and "until it is fine-tuned" not in err
     assert tuned.losses[1] < fresh.losses[1] - 0.5  # it starts where the teacher got to, not from scratch
     from lintrans.models import load_model
 
