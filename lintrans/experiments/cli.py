@@ -119,11 +119,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"lintrans experiment: interrupted; finished runs are kept in {out / 'runs'}, "
               "the same command resumes", file=sys.stderr)
         return 130
-    trained = record.pop("runs_trained", None)
+    trained, reused = record.pop("runs_trained", 0), record.pop("runs_reused", 0)
     if not opts.plot_only:
         record = json.loads(write_record(out, args.study, record).read_text())
-        print(f"wrote {out / (args.study + '.json')} ({trained} runs trained now, the rest from {out / 'runs'})")
-    for p in mod.plot(record, out):
-        print(f"wrote {p}")
+        print(f"wrote {out / (args.study + '.json')} ({runs_line(trained, reused, out / 'runs')})")
+    from .study import QUICK_BANNER, machinery_check
+
+    quick = bool(record.get("settings", {}).get("quick"))
+    with machinery_check(quick):
+        for p in mod.plot(record, out):
+            print(f"wrote {p}")
     print(mod.table(record))
+    if quick:
+        print(f"{QUICK_BANNER} (expect chance-level scores); `lintrans experiment {args.study}` without --quick "
+              f"runs the study (its committed record: {default_out(args.study, False)})")
     return 0
+
+
+def runs_line(trained: int, reused: int, store: Path) -> str:
+    if not reused:
+        return f"{trained} run{'s' * (trained != 1)} trained now"
+    if not trained:
+        return f"all {reused} runs from {store}"
+    return f"{trained} trained now, {reused} from {store}"

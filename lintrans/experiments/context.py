@@ -161,7 +161,7 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
         runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["contexts"], sweep_point=s["sweep_context"],
         spec_for=lambda m, T, lr, seed: run_spec(s, m, T, lr, seed), score=_final, fields=lambda T: {"context": T})
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs),
-            "runs_trained": runner.trained}
+            **runner.counts()}
 
 
 # --- summary ----------------------------------------------------------------------------------

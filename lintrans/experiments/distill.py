@@ -263,7 +263,7 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
         runner, s["maps"], lrs=s["lrs"], seeds=s["seeds"], score=_final_tuned, name="map",
         spec_for=lambda m, _, lr, seed: map_spec(s, specs[seed], m, lr))
     return {"settings": s, "teacher_sweep": teacher_sweep, "sweep": sweep, "teachers": teachers, "runs": runs,
-            "summary": summarize(s, teachers, runs), "runs_trained": runner.trained}
+            "summary": summarize(s, teachers, runs), **runner.counts()}
 
 
 def recovered(l_base: float, l_teacher: float, loss):

@@ -160,7 +160,7 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
     per_seed = [baselines(s, seed) for seed in range(s["seeds"])]
     base = {b: study.spread_curves([p[b] for p in per_seed]) for b in per_seed[0]}
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs, base),
-            "runs_trained": runner.trained}
+            **runner.counts()}
 
 
 def _select(runs, mech):

@@ -18,6 +18,8 @@ Each study does the same two phases:
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import dataclasses
 import functools
@@ -162,9 +164,15 @@ class Runner:
         self.fn_name, self.store, self.jobs, self.device = fn_name, RunStore(out), jobs, str(device)
         self.progress, self.units, self.desc = progress, units, desc
         self.trained = 0  # runs trained (not found in the store) by this runner
+        self.used: set = set()  # keys of every run asked for, trained or found
+
+    def counts(self) -> dict:
+        """How many distinct runs were trained now and how many came from the store."""
+        return {"runs_trained": self.trained, "runs_reused": len(self.used) - self.trained}
 
     def run(self, specs: list[dict]) -> list[dict]:
         """Results in the order of ``specs``; finished runs come from the store."""
+        self.used.update(run_key(spec) for spec in specs)
         todo = {}
         for spec in specs:
             if self.store.get(spec) is None:
@@ -433,7 +441,25 @@ def plot_sweep(sweep, path, title: str, score_label: str, panel_title: Callable 
     return save(fig, path)
 
 
+QUICK_BANNER = "--quick: a machinery check with tiny settings, not a result"
+_banner: list = []  # the banner save() puts on every figure while machinery_check(True) is active
+
+
+@contextlib.contextmanager
+def machinery_check(active: bool):
+    """While active, every figure saved carries QUICK_BANNER above its title: a --quick record's
+    scores sit near chance by design, and its plots must not pass for the study's."""
+    _banner.append(QUICK_BANNER if active else None)
+    try:
+        yield
+    finally:
+        _banner.pop()
+
+
 def save(fig, path) -> Path:
+    if _banner and _banner[-1]:
+        title = fig._suptitle.get_text() if fig._suptitle is not None else ""
+        fig.suptitle(_banner[-1] + ("\n" + title if title else ""), fontsize=9, color="firebrick")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)

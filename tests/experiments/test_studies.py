@@ -13,8 +13,30 @@ def run_cli(name, out, *extra):
 
 
 def trained(stdout: str) -> int:
-    line = next(line for line in stdout.splitlines() if "runs trained now" in line)
-    return int(line.split("(")[1].split()[0])
+    line = next(line for line in stdout.splitlines() if line.startswith("wrote") and ".json (" in line)
+    counts = line.split(".json (", 1)[1]
+    return 0 if counts.startswith("all ") else int(counts.split()[0])
+
+
+def test_the_runs_line_says_where_each_run_came_from(tmp_path):
+    from lintrans.experiments.cli import runs_line
+
+    assert runs_line(16, 0, tmp_path) == "16 runs trained now"  # no "the rest from" when there is no rest
+    assert runs_line(1, 0, tmp_path) == "1 run trained now"
+    assert runs_line(0, 16, tmp_path) == f"all 16 runs from {tmp_path}"
+    assert runs_line(2, 14, tmp_path) == f"2 trained now, 14 from {tmp_path}"
+
+
+def test_quick_figures_say_they_are_a_machinery_check(tmp_path):
+    from lintrans.experiments import study
+
+    for active in (True, False):
+        fig, ax = study.pyplot().subplots()
+        fig.suptitle("curves")
+        study.style(ax, "x", "y", "panel")
+        with study.machinery_check(active):
+            study.save(fig, tmp_path / "f.png")
+        assert fig._suptitle.get_text() == (study.QUICK_BANNER + "\ncurves" if active else "curves")
 
 
 def check_context(data):
@@ -84,10 +106,11 @@ def test_quick_study_writes_its_record_and_resumes(name, tmp_path, capsys):
         assert (tmp_path / f"{name}_{png}.png").read_bytes()[:4] == b"\x89PNG", png
     n_runs = check({**data, "runs_dir": tmp_path / "runs"})
     assert trained(first) == n_runs == len(list((tmp_path / "runs").glob("*.json")))
+    assert f"({n_runs} runs trained now)" in first and "machinery check" in first
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
     # started again: every run is found in the store, nothing is trained, the record is the same
     assert run_cli(name, tmp_path) == 0
-    assert trained(capsys.readouterr().out) == 0
+    assert f"(all {n_runs} runs from" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == mtimes
     assert json.loads((tmp_path / f"{name}.json").read_text())["runs"] == data["runs"]
 
