@@ -327,6 +327,21 @@ def flag_name(key: str) -> str:
     return "--" + (key if "." in key else key.replace("_", "-"))
 
 
+_PLAIN = ("an int", "a number", "a str", "a bool", "a list of int", "a list of number", "a list of str")
+
+
+def flag_help(typ, meta: dict) -> str:
+    """A flag's help: the key's own text, then what the metavar does not already say (bounds,
+    choices, a nested type) and the default when there is one."""
+    _, base = _optional(typ)
+    text = describe(base, meta)
+    extra = [] if text in _PLAIN else [text]
+    default = meta.get("default")
+    if default is not None:
+        extra.append("default " + (default if isinstance(default, str) else json.dumps(default, default=str)))
+    return " ".join(filter(None, [meta.get("help", ""), f"[{'; '.join(extra)}]" if extra else ""]))
+
+
 def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip=()) -> None:
     """One flag per key of ``cls``, taking text (converted later by ``set_key``, so a bad value is a
     one-line error naming the key, not argparse's usage text). Lists of scalars take several words
@@ -343,9 +358,7 @@ def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip
             kw.update(nargs="+", metavar=typing.get_args(base)[0].__name__.upper())
         else:
             kw["metavar"] = "VALUE" if typing.get_origin(base) else getattr(base, "__name__", "VALUE").upper()
-        default = "none" if meta["default"] is None else json.dumps(meta["default"], default=str)
-        about = f"{meta.get('help', '')} [{describe(typ, meta)}; default {default}]".lstrip()
-        kw["help"] = argparse.SUPPRESS if hidden else about
+        kw["help"] = argparse.SUPPRESS if hidden else flag_help(typ, meta)
         parser.add_argument(flag_name(key), **kw)
         if flag_name(key) != f"--{key}":  # the key's own spelling works too (--plot_only), unlisted
             parser.add_argument(f"--{key}", **{**kw, "help": argparse.SUPPRESS})

@@ -109,3 +109,25 @@ def test_files_round_trip_and_values_from_files_are_not_converted(tmp_path):
 def test_describe():
     assert describe(Optional[int], {"low": 1}) == "an int >= 1 or None"
     assert describe(list[str]) == "a list of str"
+
+
+def test_flag_help_says_only_what_the_metavar_does_not():
+    from lintrans.config import flag_help, keys
+
+    table = keys(Sample)
+    assert flag_help(*table["inner.size"]) == "how many [an int >= 1; default 4]"
+    assert flag_help(*table["inner.scale"]) == ""  # a number, not set: nothing to add
+    assert flag_help(*table["inner.name"]) == "[default x]"
+    assert flag_help(*table["inner.mode"]) == "[one of ['a', 'b']; default a]"
+    assert flag_help(*table["shapes"]) == "[a list of list of int; default [[8, 2]]]"
+    assert flag_help(*table["lrs"]) == "[default [0.001]]"
+
+
+def test_bench_and_experiment_help_is_not_padded(capsys):
+    from lintrans.cli import main
+
+    for argv in (["bench", "--help"], ["experiment", "recall", "--help"], ["experiment", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "or None" not in out and "default none" not in out and "``" not in out, argv

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="study", metavar="STUDY", required=True)
     for name in STUDIES:
         mod = importlib.import_module(f"lintrans.experiments.{name}")
-        about = mod.__doc__.splitlines()[0]
+        about = re.sub(r"``(.+?)``", r"\1", mod.__doc__.splitlines()[0])  # plain text, not reST
         sp = sub.add_parser(name, help=about, description=about, allow_abbrev=False)
         add_arguments(sp, RunOptions, dest="opt:")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
