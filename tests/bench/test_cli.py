@@ -29,13 +29,20 @@ def test_tune_writes_then_reads_the_cache(capsys, monkeypatch, tmp_path):
 
 
 def test_bench_ops_writes_results(tmp_path, monkeypatch):
+    from lintrans.bench import machine
+
     monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tune, "_memo", {})
     monkeypatch.setattr(tune, "measure_candidate", lambda c, *a, **k: float(c))
+    probe = {"matmul_gflops_best": 123.0, "matmul_gflops_median": 99.5, "matmul_slowest_over_fastest": 1.7}
+    monkeypatch.setattr(machine, "matmul_probe", lambda **k: probe)
     out = tmp_path / "res"
-    assert main(["bench", "ops", "--max-T", "256", "--ops", "chunked", "softmax", "--out", str(out)]) == 0
+    # a cap no step reaches: on a loaded machine the profile's own cap could stop a curve
+    assert main(["bench", "ops", "--max-T", "256", "--ops", "chunked", "softmax", "--time-cap", "3600",
+                 "--out", str(out)]) == 0
     data = json.loads((out / "ops.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"softmax (SDPA)", "linear chunked", "linear chunked gated"}
+    assert all(r["status"] == "ok" and r["time_s"] > 0 for r in data["rows"])
     # the tuned chunk (the fastest "measured" here: 32) is recorded where the FLOP count depends on it
     assert {r["series"]: r.get("chunk_size") for r in data["rows"]} == {
         "softmax (SDPA)": None, "linear chunked": 32, "linear chunked gated": 32}
@@ -44,15 +51,36 @@ def test_bench_ops_writes_results(tmp_path, monkeypatch):
         ("linear chunked gated", "softmax (SDPA)")]
     assert data["machine"]["torch"] and (out / "ops.png").stat().st_size > 0
     assert len(data["load_average"]) == 3 and data["date"].startswith("20")  # how shared the machine was, when
-    m = data["machine"]  # the matmul speed the run ended at, for comparing records across days
-    assert m["matmul_gflops_best"] >= m["matmul_gflops_median"] > 0 and m["matmul_slowest_over_fastest"] >= 1
+    assert probe.items() <= data["machine"].items()  # the matmul speed the run ended at, for comparing records
 
 
-def test_matmul_probe_is_short_and_consistent():
-    from lintrans.bench.machine import matmul_probe
+def test_matmul_probe_is_short_and_consistent(monkeypatch):
+    """Best and median GFLOP/s and slowest/fastest of the matmul times, stopping at the first time past
+    ``seconds`` once it has 3; the clock is scripted (each matmul "takes" the next duration), nothing timed."""
+    import types
 
-    p = matmul_probe(seconds=0.05, n=64)
-    assert p["matmul_gflops_best"] >= p["matmul_gflops_median"] > 0 and p["matmul_slowest_over_fastest"] >= 1
+    from lintrans.bench import machine
+
+    def probe(durations, seconds):
+        clock, left = [0.0], [1.0, *durations]  # the warm-up's synchronize first
+
+        def sync(device):
+            clock[0] += left.pop(0)
+
+        monkeypatch.setattr(machine, "synchronize", sync)
+        monkeypatch.setattr(machine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        return machine.matmul_probe(seconds=seconds, n=64), len(durations) + 1 - len(left)
+
+    gflop = 2 * 64**3 / 1e9
+    # past the deadline (0.5) at the fourth matmul: 4 times, 0.25 s the median of the sorted four
+    p, ran = probe([0.125, 0.25, 0.0625, 0.25, 0.125, 0.125], seconds=0.5)
+    assert ran == 4 + 1 and p == {"matmul_gflops_best": float(f"{gflop / 0.0625:.3g}"),
+                                  "matmul_gflops_median": float(f"{gflop / 0.25:.3g}"),
+                                  "matmul_slowest_over_fastest": 4.0}
+    # one matmul slower than the whole budget: still the 3 it needs for a median, no more
+    p, ran = probe([2.0, 0.5, 1.0, 0.5], seconds=0.5)
+    assert ran == 3 + 1 and p["matmul_gflops_median"] == float(f"{gflop / 1.0:.3g}")
+    assert p["matmul_slowest_over_fastest"] == 4.0
 
 
 def test_bench_loss_writes_both_series(tmp_path):
@@ -65,9 +93,11 @@ def test_bench_loss_writes_both_series(tmp_path):
 
 def test_bench_ops_full_series_name_picks_only_that_series(tmp_path):
     out = tmp_path / "res"
-    assert main(["bench", "ops", "--max-T", "256", "--repeats", "1", "--ops", "linear chunked", "--out", str(out)]) == 0
+    assert main(["bench", "ops", "--max-T", "256", "--repeats", "1", "--ops", "linear chunked", "--time-cap", "3600",
+                 "--out", str(out)]) == 0
     data = json.loads((out / "ops.json").read_text())
     assert {r["series"] for r in data["rows"]} == {"linear chunked"} and data["speedups"] == []
+    assert all(r["status"] == "ok" for r in data["rows"])
 
 
 def test_bench_train_with_gated_mechanisms(tmp_path, monkeypatch):
@@ -271,7 +301,7 @@ def test_cost_measure_op_runs_and_reports_a_share(capsys):
 def test_bench_generate_at_chosen_contexts_with_one_decoder(tmp_path, capsys):
     out = tmp_path / "res"
     assert main(["bench", "generate", "--T", "96", "32", "--decoders", "linear", "--repeats", "1",
-                 "--out", str(out)]) == 0
+                 "--time-cap", "3600", "--out", str(out)]) == 0
     data = json.loads((out / "generate.json").read_text())
     assert [(r["series"], r["T"]) for r in data["rows"]] == [("linear state", 32), ("linear state", 96)]
     # the cost model's cache bytes for 4L-128 (2 heads of 64) at T = 96: KV 2 L K h T x 4, state L N F (h + 1) x 4
