@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from lintrans._platform import cpu_model
+from lintrans._platform import cpu_model, cpu_vector_features
 
 
 def _thp_mode() -> str:
@@ -29,6 +29,8 @@ def _native_kernels() -> bool:
 def machine_info(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu_model(),
+        # the vector extensions (avx2, avx512f, ...): figures from CPUs that differ here are not comparable
+        "cpu_features": cpu_vector_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

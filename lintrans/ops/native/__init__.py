@@ -5,19 +5,33 @@ Why: on a CPU the chunked form's matmuls are small (a chunk by a head dimension)
 PyTorch each block of chunks costs ~60 kernels of element-wise work around them, each a parallel
 region that waits for every thread. A kernel that walks one head's chunks in a single thread, with
 the element-wise work fused into loops over data in cache and the matmuls as direct BLAS calls,
-runs one parallel region per call (over batch x heads). See docs/benchmarks.md ("Native kernels").
+runs one parallel region per call (over batch x heads). See docs/benchmarks.md ("Native kernels")
+and docs/native-kernels.md.
 
-The library is compiled once per source, compiler flags, torch build and CPU into
-``$LINTRANS_NATIVE_DIR`` (default: ``native/`` in lintrans's cache directory, ``~/.cache/lintrans``), linked against torch's own BLAS
-(``sgemm_``/``dgemm_`` exported by libtorch_cpu) and its OpenMP runtime, and loaded with ctypes.
-``LINTRANS_NATIVE=0`` turns it off; a missing compiler or a failed build warns once and falls back.
+The library is compiled once per build key into ``$LINTRANS_NATIVE_DIR`` (default: ``native/`` in
+lintrans's cache directory, ``~/.cache/lintrans``), linked against torch's own BLAS
+(``sgemm_``/``dgemm_`` exported by libtorch_cpu) and its OpenMP runtime, and loaded with ctypes. The
+key covers everything the binary depends on: the sources, the flags, the compiler and its version,
+glibc and libstdc++, torch (version and library path) and the CPU (its model and feature flags, or on
+ARM its ``Features`` and ``CPU part``), so a cache shared between machines never loads a library
+built for another CPU. Builds take a file lock (several processes, e.g. torchrun ranks, build once),
+write to a temporary file renamed into place, clean up what a killed build left, and prune old
+libraries. A library that exists but does not load is rebuilt once.
+
+``LINTRANS_NATIVE=0`` turns the kernels off; ``LINTRANS_NATIVE_MARCH`` (default ``native``) is the
+``-march`` they are built for (e.g. ``x86-64-v3``: AVX2 and FMA, no AVX-512); a missing compiler or a
+failed build warns once and falls back.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
+import glob
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,11 +42,17 @@ from typing import Optional
 
 import torch
 
-from lintrans._platform import cache_dir, cpu_model
+from lintrans._platform import cache_dir, cpu_identity
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
+# -fno-trapping-math: without it GCC will not if-convert a loop whose select depends on a float
+# comparison (x > 0 ? x + 1 : exp(x)) for targets without mask registers, so on AVX2 such loops
+# stayed scalar with one libm call per element. It changes no result: nothing reads the FP
+# exception flags. -fno-math-errno likewise lets the math calls be vector calls.
+BASE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
+# libraries kept in the cache directory besides the one in use (the most recently used)
+KEEP_BUILDS = 8
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -43,49 +63,179 @@ def enabled() -> bool:
     return os.environ.get("LINTRANS_NATIVE", "1") not in ("0", "false", "no", "off")
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: -march=native code is only for CPUs that have them all."""
+def march() -> str:
+    """The target of the build, ``-march=``: ``$LINTRANS_NATIVE_MARCH``, default ``native``."""
+    value = os.environ.get("LINTRANS_NATIVE_MARCH", "").strip() or "native"
+    if not all(c.isalnum() or c in "-_.=," for c in value):
+        raise ValueError(f"LINTRANS_NATIVE_MARCH={value!r}: expected a -march value such as native or x86-64-v3")
+    return value
+
+
+def flags() -> list:
+    return [*BASE_FLAGS, f"-march={march()}"]
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _output_of(cmd) -> str:
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return res.stdout if res.returncode == 0 else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _toolchain(cxx: str) -> str:
+    """The compiler (its path and ``--version``), the C++ runtime it links (libstdc++'s real file
+    name carries its version) and glibc's version."""
+    libstdcxx = _output_of([cxx, "-print-file-name=libstdc++.so"]).strip()
+    libstdcxx = os.path.realpath(libstdcxx) if os.path.isabs(libstdcxx) else libstdcxx
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else ""
+    return "\n".join([shutil.which(cxx) or cxx, _output_of([cxx, "--version"]), libstdcxx,
+                      libc or " ".join(platform.libc_ver())])
+
+
+def _torch_lib() -> Path:
+    return Path(torch.__file__).parent / "lib"
+
+
+def build_key() -> str:
+    """What the binary depends on, as text (hashed into its file name)."""
+    h = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    cxx = compiler()
+    parts = [" ".join(flags()), _toolchain(cxx), torch.__version__, str(_torch_lib().resolve()), cpu_identity(),
+             platform.machine()]
+    return h.hexdigest() + "\n" + "\n--\n".join(parts)
 
 
 def library_path() -> Path:
-    """Where the library for these sources, flags, torch and CPU is (or will be) built."""
-    h = hashlib.sha256()
-    for src in SOURCES + HEADERS:
-        h.update(src.read_bytes())
-    h.update(" ".join(FLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update((cpu_model() + _cpu_flags()).encode())
+    """Where the library for this build key is (or will be) built."""
+    digest = hashlib.sha256(build_key().encode()).hexdigest()[:16]
     root = Path(os.environ.get("LINTRANS_NATIVE_DIR") or cache_dir() / "native")
-    return root / f"liblintrans-{h.hexdigest()[:16]}.so"
+    return root / f"liblintrans-{digest}.so"
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the library (atomically: to a temporary file, then renamed); returns its path."""
+class _FileLock:
+    """An exclusive fcntl lock on ``path`` (created if absent), held while in scope; where fcntl is
+    missing, no lock (builds still land atomically, by rename)."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+        return False
+
+
+TMP_PREFIX = "tmp-build-"
+LOCK_NAME = ".build.lock"
+
+
+def _clean_and_prune(root: Path, keep: Path) -> None:
+    """With the build lock held: remove temporary files of builds that died (none runs now), and
+    libraries beyond the KEEP_BUILDS most recently used."""
+    for tmp in glob.glob(str(root / f"{TMP_PREFIX}*")):
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+    libs = []
+    for p in root.glob("liblintrans-*.so"):
+        if p != keep:
+            try:
+                libs.append((p.stat().st_mtime, p))
+            except OSError:
+                pass
+    for _, p in sorted(libs, reverse=True)[KEEP_BUILDS:]:
+        try:
+            p.unlink()  # a process that has it loaded keeps its mapping
+        except OSError:
+            pass
+
+
+def _stat_id(path: Path):
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def build(verbose: bool = False, replace: Optional[tuple] = None) -> Path:
+    """Compile the library unless it is there; returns its path. Under a file lock beside it, to a
+    temporary file renamed into place. ``replace``: the ``(inode, size, mtime)`` of a library that
+    failed to load, rebuilt unless another process has already replaced it."""
     out = library_path()
-    if out.exists():
+    if out.exists() and replace is None:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch_lib = Path(torch.__file__).parent / "lib"
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [os.environ.get("CXX", "c++"), *FLAGS, *map(str, SOURCES), "-o", tmp,
-           f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-lmvec", f"-Wl,-rpath,{torch_lib}"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building lintrans's native kernels failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
-        if verbose:
-            print(" ".join(cmd), file=sys.stderr)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # one lock for the directory: cleaning up temporary files and pruning touch every build's files
+    with _FileLock(out.parent / LOCK_NAME):
+        current = _stat_id(out)
+        if current is not None and (replace is None or current != replace):
+            return out  # built (or rebuilt) by another process while this one waited
+        _clean_and_prune(out.parent, out)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=out.parent)
+        os.close(fd)
+        torch_lib = _torch_lib()
+        cmd = [compiler(), *flags(), *map(str, SOURCES), "-o", tmp,
+               f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-lmvec", f"-Wl,-rpath,{torch_lib}"]
+        try:
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True)
+            except OSError as e:
+                raise RuntimeError(f"building lintrans's native kernels failed: {e}") from e
+            if res.returncode != 0 or os.path.getsize(tmp) == 0:
+                raise RuntimeError(f"building lintrans's native kernels failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+            if verbose:
+                print(" ".join(cmd), file=sys.stderr)
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep it from others sharing the cache
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return out
+
+
+def _touch(path: Path) -> None:
+    """Mark the library as used (pruning keeps the most recently used)."""
+    try:
+        os.utime(path)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+
+
+def open_library(verbose: bool = False) -> ctypes.CDLL:
+    """Build (if needed) and load the library. One that exists but does not load (truncated by a
+    killed copy, overwritten, ...) is rebuilt once; a second failure raises."""
+    path = build(verbose)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        path = build(verbose, replace=_stat_id(path) or (0, 0, 0))
+        lib = ctypes.CDLL(str(path))
+    _touch(path)
+    return lib
+
+
+class LayoutError(RuntimeError):
+    """A ctypes argument struct disagrees with the C side's (the bindings and the sources out of step)."""
 
 
 @torch.compiler.disable  # found once, outside any graph torch.compile traces
@@ -101,7 +251,7 @@ def library() -> Optional[ctypes.CDLL]:
         if not enabled() or not SOURCES:
             return None
         try:
-            _lib = ctypes.CDLL(str(build()))
+            _lib = open_library()
         except Exception as e:  # no compiler, no BLAS symbols, ...: the PyTorch path stays
             warnings.warn(f"lintrans: native CPU kernels unavailable, using the PyTorch path ({e})", RuntimeWarning)
             _lib = None

@@ -31,9 +31,10 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "simd_math.h"
 
-// Field for field the ctypes.Structure in lintrans/ops/native/aft.py.
+// Field for field the ctypes.Structure in lintrans/ops/native/aft.py (sizes compared at first use).
 struct AftArgs {
   const void *q, *k, *v;  // [B, T, H, D], strides sq, sk, sv of the B, T, H dimensions (the last is 1)
   void* o;                // [B, T, H, D] contiguous
@@ -44,10 +45,13 @@ struct AftArgs {
   int64_t sq[3], sk[3], sv[3], sdo[3];
   int64_t every, threads;
 };
+LINTRANS_EXPORT_SIZEOF(AftArgs)
 
 namespace {
 
 using A = double;  // what is carried along T
+
+using lintrans_cpu::Status;
 
 using lintrans_simd::vexp;
 
@@ -163,9 +167,10 @@ struct Carry {
 };
 
 template <typename T>
-void forward(const AftArgs& a) {
+int forward(const AftArgs& a) {
+  Status status;
 #pragma omp parallel num_threads(tile_threads(a))
-  {
+  status.run([&] {
     const std::vector<Tile> tiles = thread_tiles(a);
     Carry<T> s(channels(tiles));
     T* o = static_cast<T*>(a.o);
@@ -177,15 +182,17 @@ void forward(const AftArgs& a) {
                               nullptr);
       }
     }
-  }
+  });
+  return status.get();
 }
 
 // Backward walks the stretches of `every` steps from the last: each stretch's r, a and c recomputed
 // from its checkpoint into buffers that stay in cache, then its steps in reverse.
 template <typename T>
-void backward(const AftArgs& a) {
+int backward(const AftArgs& a) {
+  Status status;
 #pragma omp parallel num_threads(tile_threads(a))
-  {
+  status.run([&] {
     const std::vector<Tile> tiles = thread_tiles(a);
     const int64_t n = channels(tiles), E = a.every;
     Carry<T> s(n);
@@ -226,14 +233,15 @@ void backward(const AftArgs& a) {
         }
       }
     }
-  }
+  });
+  return status.get();
 }
 
 }  // namespace
 
 extern "C" {
-void lt_aft_simple_forward_f32(const AftArgs* a) { forward<float>(*a); }
-void lt_aft_simple_forward_f64(const AftArgs* a) { forward<double>(*a); }
-void lt_aft_simple_backward_f32(const AftArgs* a) { backward<float>(*a); }
-void lt_aft_simple_backward_f64(const AftArgs* a) { backward<double>(*a); }
+int lt_aft_simple_forward_f32(const AftArgs* a) { return forward<float>(*a); }
+int lt_aft_simple_forward_f64(const AftArgs* a) { return forward<double>(*a); }
+int lt_aft_simple_backward_f32(const AftArgs* a) { return backward<float>(*a); }
+int lt_aft_simple_backward_f64(const AftArgs* a) { return backward<double>(*a); }
 }

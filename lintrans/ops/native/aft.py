@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, empty, last_contiguous, ptr, takes
+from .binding import I3, P, call, empty, last_contiguous, ptr, require, takes
 
 # steps between the carried sums forward saves for backward, which recomputes the steps between
 # into buffers that stay in cache (STEPS x a thread's channels x 3 doubles)
@@ -27,6 +27,9 @@ def _args(*xs: torch.Tensor) -> AftArgs:
     """Shapes and strides of the inputs xs [B, T, H, D]; when every one has its heads side by side
     (stride of H = D), H * D counts as one row of channels (longer vector loops, fewer tiles)."""
     B, T, H, D = xs[0].shape
+    for x in xs:
+        require(x.shape == xs[0].shape and x.dtype == xs[0].dtype and x.dtype in (torch.float32, torch.float64),
+                f"q, k, v (and do) must be [B, T, H, D] alike in float32 or float64, got {tuple(x.shape)} {x.dtype}")
     a = AftArgs()
     merge = all(x.stride(2) == D or H == 1 for x in xs)
     a.B, a.T, a.H, a.D = (B, T, 1, H * D) if merge else (B, T, H, D)
@@ -59,7 +62,9 @@ def backward(q, k, v, ckpt, do):
     q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = (empty(q.shape, q) for _ in range(3))
     a = _args(q, k, v, do)
-    assert ckpt.dtype == torch.float64 and ckpt.shape[0] == -(-q.shape[1] // a.every)
+    require(ckpt is not None and ckpt.dtype == torch.float64 and ckpt.is_contiguous()
+            and ckpt.shape == (-(-q.shape[1] // a.every), 3, q.numel() // q.shape[1]),
+            "ckpt must be forward's checkpoints (forward(..., save=True)) for these inputs")
     a.q, a.k, a.v, a.ckpt, a.dout = ptr(q), ptr(k), ptr(v), ptr(ckpt), ptr(do)
     a.dq, a.dk, a.dv = ptr(dq), ptr(dk), ptr(dv)
     call("lt_aft_simple_backward", q.dtype, a)

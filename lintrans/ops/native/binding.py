@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import active, library
+from . import LayoutError, active, library
 
 P = ctypes.c_void_p  # a tensor's data, or null
 I3 = ctypes.c_int64 * 3  # the strides of a [B, T, H, D] tensor's B, T, H dimensions (D's is 1)
@@ -77,7 +77,51 @@ def last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def require(ok: bool, message: str) -> None:
+    """A binding's precondition: what the kernel would otherwise read or write out of bounds. An
+    explicit raise, not ``assert``, which ``python -O`` strips."""
+    if not ok:
+        raise ValueError(message)
+
+
+# the status codes of cpu_kernels.h's Status
+OK, OUT_OF_MEMORY = 0, 1
+
+_checked: dict = {}  # (library handle, struct) -> True once its layout matched
+
+
+def check_layout(lib: ctypes.CDLL, struct: type) -> None:
+    """Raise LayoutError unless ``struct`` (a ctypes.Structure) has the size the library's
+    ``lt_sizeof_<name>`` reports for the C struct of the same name (cpu_kernels.h's conventions)."""
+    key = (lib._handle, struct)
+    if key in _checked:
+        return
+    name = struct.__name__
+    try:
+        fn = getattr(lib, f"lt_sizeof_{name}")
+    except AttributeError:
+        raise LayoutError(f"lintrans native kernels: the library exports no lt_sizeof_{name}, so the layout of "
+                          f"{name} cannot be checked") from None
+    fn.restype, fn.argtypes = ctypes.c_int64, ()
+    c_size, py_size = fn(), ctypes.sizeof(struct)
+    if c_size != py_size:
+        raise LayoutError(f"lintrans native kernels: struct {name} is {c_size} bytes in the C++ source but "
+                          f"{py_size} in its ctypes binding: the two have gone out of step")
+    _checked[key] = True
+
+
 def call(name: str, dtype: torch.dtype, args: ctypes.Structure) -> None:
-    """Run the kernel ``name`` (e.g. "lt_aft_simple_forward") for ``dtype`` on ``args``."""
+    """Run the kernel ``name`` (e.g. "lt_aft_simple_forward") for ``dtype`` on ``args``: its struct's
+    layout checked against the library's on first use; a failed allocation inside raises MemoryError."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("lintrans native kernels are not available (LINTRANS_NATIVE=0 or no build)")
+    check_layout(lib, type(args))
     suffix = "f32" if dtype == torch.float32 else "f64"
-    getattr(library(), f"{name}_{suffix}")(ctypes.byref(args))
+    fn = getattr(lib, f"{name}_{suffix}")
+    fn.restype = ctypes.c_int
+    status = fn(ctypes.byref(args))
+    if status == OUT_OF_MEMORY:
+        raise MemoryError(f"lintrans native kernel {name}_{suffix}: out of memory for its buffers")
+    if status != OK:
+        raise RuntimeError(f"lintrans native kernel {name}_{suffix} failed (status {status})")

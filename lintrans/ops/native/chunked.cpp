@@ -30,8 +30,8 @@ using namespace lintrans_simd;
 
 enum Phi : int64_t { kNone = 0, kElu = 1, kRelu = 2, kSoftplus = 3 };
 
-// y = phi(x) for a row of n (the switch outside the loops, so that each loop vectorizes; with
-// -fopenmp glibc declares SIMD versions of exp and log1p)
+// y = phi(x) for a row of n (the switch outside the loops, so that each loop vectorizes, on AVX2
+// only with -fno-trapping-math: see FLAGS in __init__.py; simd_math.h declares libmvec's exp and log1p)
 template <typename T>
 void phi_row(int64_t kind, const T* x, T* y, int64_t n) {
   switch (kind) {
@@ -75,7 +75,7 @@ void dphi_row(int64_t kind, const T* g, const T* y, T* out, int64_t n) {
 
 }  // namespace
 
-// Field for field the ctypes.Structure in lintrans/ops/native/chunked.py.
+// Field for field the ctypes.Structure in lintrans/ops/native/chunked.py (sizes compared at first use).
 struct ChunkedArgs {
   const void *q, *k, *v, *ld, *S0;  // q, k [B, T, H, F]; v [B, T, H, Dv]; ld [B|1, T, H] or null; S0 [B, H, F, E]
   void *o, *den, *states, *S_end;   // o [B, T, H, Dv], den [B, T, H] (normalize), states [B, H, ncp, F, E]
@@ -86,6 +86,7 @@ struct ChunkedArgs {
   int64_t chunk, ckpt, phi, normalize, need_dld, threads;
   double scale, eps;
 };
+LINTRANS_EXPORT_SIZEOF(ChunkedArgs)
 
 namespace {
 
@@ -143,13 +144,20 @@ void tril_t_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, in
   gemm<T>(true, false, cl - h, N, cl - h, L + h * ldl + h, ldl, B + h * ldb, ldb, beta, C + h * ldc, ldc);
 }
 
+// The end of a row's masked loop over 0 .. i, rounded up to whole vectors (of up to 16) where the row
+// has the room: columns past i are zeroed after the loop, so a vector loop with no scalar remainder
+// (one libm call per element) may compute them too.
+inline int64_t whole_vectors(int64_t i, int64_t n) { return std::min(n, (i + 16) / 16 * 16); }
+
 // One chunk's inputs, loaded into contiguous buffers: features, values with their ones column and,
-// with a decay, the in-chunk cumulative log2-decays bc (<= 0).
+// with a decay, the in-chunk cumulative log2-decays bc (<= 0), and from them the decays to the
+// chunk's start eb = 2^bc and to its end el = 2^(bc_last - bc), each in one vector loop.
 template <typename T>
 struct Chunk {
   int64_t c, F, E;
-  std::vector<T> fq, fk, vb, bc;
-  Chunk(int64_t c, int64_t F, int64_t E) : c(c), F(F), E(E), fq(c * F), fk(c * F), vb(c * E), bc(c) {}
+  std::vector<T> fq, fk, vb, bc, eb, el;
+  Chunk(int64_t c, int64_t F, int64_t E)
+      : c(c), F(F), E(E), fq(c * F), fk(c * F), vb(c * E), bc(c), eb(c), el(c) {}
 
   // rows t0 .. t0 + cl of head h; both passes walk the chunks forward, so the rows kAhead further on
   // (into the next chunk) are asked for as these are read
@@ -176,6 +184,13 @@ struct Chunk {
         acc += ld[(t0 + i) * a.sld[1]];
         bc[i] = acc * T(kLog2e);
       }
+      const T last = bc[cl - 1];
+      T *b_ = bc.data(), *eb_ = eb.data(), *el_ = el.data();
+#pragma omp simd
+      for (int64_t i = 0; i < cl; ++i) {
+        eb_[i] = vexp2(b_[i]);
+        el_[i] = vexp2(last - b_[i]);
+      }
     }
   }
 
@@ -184,9 +199,13 @@ struct Chunk {
     tril_of_product<T>(cl, F, fq.data(), F, fk.data(), F, A, c);
     for (int64_t i = 0; i < cl; ++i) {
       T* row = A + i * c;
-      if (gated)
+      if (gated) {
+        const T bi = bc[i];
+        const T* b_ = bc.data();
+        const int64_t jn = whole_vectors(i, cl);
 #pragma omp simd
-        for (int64_t j = 0; j <= i; ++j) row[j] *= vexp2(std::min(bc[i] - bc[j], T(0)));
+        for (int64_t j = 0; j < jn; ++j) row[j] *= vexp2(std::min(bi - b_[j], T(0)));
+      }
       for (int64_t j = i + 1; j < cl; ++j) row[j] = 0;
     }
   }
@@ -199,7 +218,7 @@ struct Chunk {
       const T last = bc[cl - 1], g = vexp2(last);
       for (int64_t x = 0; x < F * E; ++x) S[x] *= g;
       for (int64_t i = 0; i < cl; ++i) {
-        const T d = vexp2(last - bc[i]);
+        const T d = el[i];
         for (int64_t f = 0; f < F; ++f) kd[i * F + f] = fk[i * F + f] * d;
       }
       keys = kd;
@@ -238,7 +257,7 @@ void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, Chunk<T>& ch, int64_t b,
   }
   if (gated)
     for (int64_t i = 0; i < cl; ++i) {
-      const T d = vexp2(ch.bc[i]);
+      const T d = ch.eb[i];
       for (int64_t e = 0; e < E; ++e) w.y[i * E + e] *= d;
     }
   tril_times<T>(cl, Dv, w.A.data(), ch.c, ch.vb.data(), E, 1, w.y.data(), E);
@@ -268,11 +287,12 @@ void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, Chunk<T>& ch, int64_t b,
 }
 
 template <typename T>
-void forward(const ChunkedArgs& a) {
+int forward(const ChunkedArgs& a) {
   const int64_t F = a.F, E = a.Dv + 1, FE = F * E, c = a.chunk, nck = (a.T + c - 1) / c;
   const int64_t ncp = (nck + a.ckpt - 1) / a.ckpt;
+  Status status;
 #pragma omp parallel num_threads(a.threads)
-  {
+  status.run([&] {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
     Buffers<T> w(c, F, E);
@@ -290,7 +310,8 @@ void forward(const ChunkedArgs& a) {
     }
     std::memcpy(static_cast<T*>(a.S_end) + r.lo * FE, S.data(), S.size() * sizeof(T));
     store_fence();
-  }
+  });
+  return status.get();
 }
 
 // The gradients of one chunk of one head, given Sm (the state before it) and Sn (after it); dS, the
@@ -338,7 +359,7 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
   if (gated) {  // from here on dy is the gradient of the state's part of y before its decay 2^b_i
     last = ch.bc[cl - 1];
     for (int64_t i = 0; i < cl; ++i) {
-      const T d = vexp2(ch.bc[i]), dk_ = vexp2(last - ch.bc[i]);
+      const T d = ch.eb[i], dk_ = ch.el[i];
       for (int64_t e = 0; e < E; ++e) dy[i * E + e] *= d;
       for (int64_t f = 0; f < F; ++f) kd[i * F + f] = ch.fk[i * F + f] * dk_;
     }
@@ -349,9 +370,12 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
   for (int64_t i = 0; i < cl; ++i) {
     T* row = &dA[i * c];
     if (gated) {
+      const T bi = ch.bc[i];
+      const T* b_ = ch.bc.data();
+      const int64_t jn = whole_vectors(i, cl);
 #pragma omp simd
-      for (int64_t j = 0; j <= i; ++j) row[j] *= vexp2(std::min(ch.bc[i] - ch.bc[j], T(0)));
-      const T d = vexp2(last - ch.bc[i]);
+      for (int64_t j = 0; j < jn; ++j) row[j] *= vexp2(std::min(bi - b_[j], T(0)));
+      const T d = ch.el[i];
       for (int64_t f = 0; f < F; ++f) dk[i * F + f] *= d;
     }
     for (int64_t j = i + 1; j < cl; ++j) row[j] = 0;
@@ -390,12 +414,13 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
 }
 
 template <typename T>
-void backward(const ChunkedArgs& a) {
+int backward(const ChunkedArgs& a) {
   const int64_t F = a.F, E = a.Dv + 1, FE = F * E, c = a.chunk, nck = (a.T + c - 1) / c;
   const int64_t ncp = (nck + a.ckpt - 1) / a.ckpt;
   const bool gated = a.ld != nullptr;
+  Status status;
 #pragma omp parallel num_threads(a.threads)
-  {
+  status.run([&] {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
     const int64_t nh = r.hi - r.lo;
@@ -431,14 +456,15 @@ void backward(const ChunkedArgs& a) {
     }
     std::memcpy(static_cast<T*>(a.dS0) + r.lo * FE, dS.data(), dS.size() * sizeof(T));
     store_fence();
-  }
+  });
+  return status.get();
 }
 
 }  // namespace
 
 extern "C" {
-void lt_chunked_forward_f32(const ChunkedArgs* a) { forward<float>(*a); }
-void lt_chunked_forward_f64(const ChunkedArgs* a) { forward<double>(*a); }
-void lt_chunked_backward_f32(const ChunkedArgs* a) { backward<float>(*a); }
-void lt_chunked_backward_f64(const ChunkedArgs* a) { backward<double>(*a); }
+int lt_chunked_forward_f32(const ChunkedArgs* a) { return forward<float>(*a); }
+int lt_chunked_forward_f64(const ChunkedArgs* a) { return forward<double>(*a); }
+int lt_chunked_backward_f32(const ChunkedArgs* a) { return backward<float>(*a); }
+int lt_chunked_backward_f64(const ChunkedArgs* a) { return backward<double>(*a); }
 }

@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, empty, last_contiguous, ptr, strides, takes
+from .binding import I3, P, call, empty, last_contiguous, ptr, require, strides, takes
 
 # named feature maps the kernel applies itself (the codes of chunked.cpp's Phi)
 PHI_CODES = {None: 0, "identity": 0, "elu": 1, "relu": 2, "softplus": 3}
@@ -27,6 +27,18 @@ def supports(q, k, v, ld, feature_map, normalize, dtype) -> bool:
             and takes(q, k, v, *([] if ld is None else [ld])))
 
 
+def _check(q, k, v, ld, chunk, phi) -> None:
+    """What the kernel takes for granted (callers validate user input; these guard memory)."""
+    require(q.dim() == 4 and k.shape == q.shape, f"q and k must be [B, T, H, F] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    require(v.dim() == 4 and v.shape[:3] == q.shape[:3], f"v must be [B, T, H, Dv] with q's B, T, H, got {tuple(v.shape)}")
+    require(q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float64),
+            f"q, k, v must share one dtype, float32 or float64, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(ld is None or (ld.dim() == 3 and ld.shape[0] in (1, q.shape[0]) and ld.shape[1:] == q.shape[1:3]
+                           and ld.dtype == q.dtype), "log_decay must be [B or 1, T, H] in q's dtype")
+    require(isinstance(chunk, int) and chunk >= 1, f"chunk must be an int >= 1, got {chunk!r}")
+    require(phi in PHI_CODES, f"feature map {phi!r} has no kernel code; allowed: {sorted(map(str, PHI_CODES))}")
+
+
 def _args(q, k, v, ld, chunk, phi, normalize, scale, eps) -> ChunkedArgs:
     B, T, H, F = q.shape
     a = ChunkedArgs()
@@ -46,6 +58,7 @@ def _args(q, k, v, ld, chunk, phi, normalize, scale, eps) -> ChunkedArgs:
 @torch.compiler.disable
 def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps: float):
     """(o [B, T, H, Dv], den [B, T, H] or None, states [B, H, ncp, F, E], S_end [B, H, F, E])."""
+    _check(q, k, v, ld, chunk, phi)
     q, k, v = map(last_contiguous, (q, k, v))
     B, T, H, F = q.shape
     Dv = v.shape[-1]
@@ -54,6 +67,7 @@ def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps
     den = empty((B, T, H), q) if normalize else None
     states = empty((B, H, -(-nck // CHECKPOINT_CHUNKS), F, Dv + 1), q)
     S0 = S0.contiguous()
+    require(S0.shape == (B, H, F, Dv + 1) and S0.dtype == q.dtype, f"S0 must be [B, H, F, Dv + 1], got {tuple(S0.shape)}")
     S_end = torch.empty_like(S0)
     a = _args(q, k, v, ld, chunk, phi, normalize, scale, eps)
     a.S0, a.o, a.den, a.states, a.S_end = ptr(S0), ptr(o), ptr(den), ptr(states), ptr(S_end)
@@ -65,11 +79,21 @@ def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps
 def backward(q, k, v, ld, o, den, states, do, dS_end, chunk: int, phi, normalize: bool, scale: float, eps: float,
              need_dld: bool):
     """(dq, dk, dv, dld or None, dS0), dld [B|1, T, H] as ld."""
-    q, k, v, do = map(last_contiguous, (q, k, v, do))
+    _check(q, k, v, ld, chunk, phi)
+    q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
     B, T, H, F = q.shape
     dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
     dld = empty((B, T, H), q) if need_dld else None
+    Dv, nck = v.shape[-1], -(-T // chunk)
+    require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
+    require(o.shape == (B, T, H, Dv) and o.is_contiguous(), "o must be forward's output")
+    require(states.shape == (B, H, -(-nck // CHECKPOINT_CHUNKS), F, Dv + 1) and states.is_contiguous(),
+            "states must be forward's, for the same chunk size")
+    require(not normalize or (den is not None and den.shape == (B, T, H) and den.is_contiguous()),
+            "den must be forward's [B, T, H] when normalize")
+    require(not need_dld or ld is not None, "need_dld without a log_decay")
     dS_end = dS_end.contiguous()
+    require(dS_end.shape == (B, H, F, Dv + 1) and dS_end.dtype == q.dtype, "dS_end must be [B, H, F, Dv + 1]")
     dS0 = torch.empty_like(dS_end)
     a = _args(q, k, v, ld, chunk, phi, normalize, scale, eps)
     a.o, a.den, a.states, a.dout, a.dS_end = ptr(o), ptr(den), ptr(states), ptr(do), ptr(dS_end)

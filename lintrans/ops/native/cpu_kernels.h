@@ -1,16 +1,32 @@
-// What the BLAS-calling kernels (chunked.cpp, sliding_window.cpp) share: torch's own BLAS
-// (libtorch_cpu exports MKL's sgemm_/dgemm_), a row-major gemm over it, one BLAS thread per worker,
-// and the split of (batch, head) pairs between the OpenMP threads.
+// What the kernels share: the conventions of their exported functions; for the BLAS-calling ones
+// (chunked.cpp, sliding_window.cpp) torch's own BLAS (libtorch_cpu exports MKL's sgemm_/dgemm_), a
+// row-major gemm over it, one BLAS thread per worker, and the split of (batch, head) pairs between
+// the OpenMP threads.
+//
+// Conventions of every kernel file (a new one follows them; binding.py is the Python side):
+// - its entry points take one argument struct, field for field a ctypes.Structure of the same name in
+//   its binding module, and export that struct's size with LINTRANS_EXPORT_SIZEOF(Name), which
+//   binding.call compares with ctypes.sizeof(Name) before the first call (a mismatch raises);
+// - they are extern "C" functions returning int, a Status code: kOk, or kOutOfMemory when an
+//   allocation failed (binding.call raises MemoryError), kFailed for any other C++ exception. No
+//   exception may leave an OpenMP region (that is std::terminate): each region's body runs inside
+//   Status::run, which catches, and the function returns the status after the region;
+// - named lt_<kernel>_<pass>_f32 / _f64, one per dtype.
 #pragma once
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <new>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
+
+#define LINTRANS_EXPORT_SIZEOF(S) \
+  extern "C" int64_t lt_sizeof_##S() { return int64_t(sizeof(S)); }
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
@@ -23,6 +39,38 @@ int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 }
 
 namespace lintrans_cpu {
+
+enum StatusCode : int { kOk = 0, kOutOfMemory = 1, kFailed = 2 };
+
+// Test hook (lt_debug_fail_allocations in status.cpp): the next n region bodies throw std::bad_alloc
+// as their first allocation would, so that tests reach the out-of-memory path
+inline std::atomic<int>& failing_allocations() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
+// The outcome of a kernel's parallel region(s): each thread's body runs inside run(), which turns an
+// exception into a code instead of letting it reach the region's end (std::terminate).
+struct Status {
+  std::atomic<int> code{kOk};
+  template <typename F>
+  void run(F&& body) noexcept {
+    try {
+      std::atomic<int>& fail = failing_allocations();
+      if (fail.load(std::memory_order_relaxed) > 0 && fail.fetch_sub(1) > 0) throw std::bad_alloc();
+      body();
+    } catch (const std::bad_alloc&) {
+      set(kOutOfMemory);
+    } catch (...) {
+      set(kFailed);
+    }
+  }
+  void set(int c) noexcept {
+    int ok = kOk;
+    code.compare_exchange_strong(ok, c);
+  }
+  int get() const noexcept { return code.load(); }
+};
 
 constexpr double kLog2e = 1.4426950408889634;
 
@@ -56,11 +104,19 @@ void gemm(bool tA, bool tB, int M, int N, int K, const T* A, int lda, const T* B
 // of fresh output memory in before overwriting it (callers end their writes with store_fence())
 template <typename T>
 inline void store_row(T* dst, const T* src, int64_t n) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
   constexpr int64_t L = 64 / sizeof(T);
   if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && n % L == 0) {
-    for (int64_t i = 0; i < n; i += L)
+    for (int64_t i = 0; i < n; i += L) {
+#ifdef __AVX512F__
       _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+#else  // a line as two 32-byte halves
+      auto* d = reinterpret_cast<__m256i*>(dst + i);
+      const auto* s = reinterpret_cast<const __m256i*>(src + i);
+      _mm256_stream_si256(d, _mm256_loadu_si256(s));
+      _mm256_stream_si256(d + 1, _mm256_loadu_si256(s + 1));
+#endif
+    }
     return;
   }
 #endif
@@ -68,7 +124,7 @@ inline void store_row(T* dst, const T* src, int64_t n) {
 }
 
 inline void store_fence() {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
   _mm_sfence();
 #endif
 }

@@ -16,7 +16,7 @@
 #include "cpu_kernels.h"
 #include "simd_math.h"
 
-// Field for field the ctypes.Structure in lintrans/ops/native/sliding_window.py.
+// Field for field the ctypes.Structure in lintrans/ops/native/sliding_window.py (sizes compared at first use).
 struct SlidingWindowArgs {
   const void *q, *k, *v;  // q, k [B, T, H, Dk], v [B, T, H, Dv] (strides sq, sk, sv; the last is 1)
   void *o, *lse;          // o [B, T, H, Dv] contiguous; lse [B, H, T] (base 2) contiguous
@@ -27,6 +27,7 @@ struct SlidingWindowArgs {
   int64_t block, window, threads;
   double scale;
 };
+LINTRANS_EXPORT_SIZEOF(SlidingWindowArgs)
 
 namespace {
 
@@ -55,6 +56,10 @@ struct Block {
   // row i's band in the window: columns lo(i) .. hi(i) inclusive
   int64_t lo(int64_t i) const { return std::max<int64_t>(0, t0 + i - a.window + 1 - j0); }
   int64_t hi(int64_t i) const { return t0 + i - j0; }
+  // the band widened to whole vectors (of up to 16) within the window: the exp loops run over this
+  // and mask, so that no column takes a scalar remainder (a libm call per element)
+  int64_t lo16(int64_t i) const { return lo(i) / 16 * 16; }
+  int64_t hi16(int64_t i) const { return std::min(L, (hi(i) + 16) / 16 * 16); }
   // base-2 scores S [cl, L] (row stride L) of the block against its window
   void scores(T* S) const {
     gemm<T>(false, true, cl, L, a.Dk, T(a.scale * kLog2e), q(), a.sq[1], k(), a.sk[1], 0, S, L);
@@ -62,10 +67,11 @@ struct Block {
 };
 
 template <typename T>
-void forward(const SlidingWindowArgs& a) {
+int forward(const SlidingWindowArgs& a) {
   const int64_t C = a.block, Lmax = std::min((C + a.window - 1 + 15) / 16 * 16, a.T);
+  Status status;
 #pragma omp parallel num_threads(a.threads)
-  {
+  status.run([&] {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
     std::vector<T> S(C * Lmax), inv(C);
@@ -82,13 +88,16 @@ void forward(const SlidingWindowArgs& a) {
 #pragma omp simd reduction(max : mx)
           for (int64_t l = lo; l <= hi; ++l) mx = s[l] > mx ? s[l] : mx;
           T sum = 0;
+          const int64_t a0 = blk.lo16(i), a1 = blk.hi16(i);
 #pragma omp simd reduction(+ : sum)
-          for (int64_t l = lo; l <= hi; ++l) {
-            s[l] = vexp2(s[l] - mx);
-            sum += s[l];
+          for (int64_t l = a0; l < a1; ++l) {
+            const T e = vexp2(std::min(s[l] - mx, T(0)));
+            const T p = l >= lo && l <= hi ? e : T(0);
+            s[l] = p;
+            sum += p;
           }
-          for (int64_t l = 0; l < lo; ++l) s[l] = 0;
-          for (int64_t l = hi + 1; l < L; ++l) s[l] = 0;
+          for (int64_t l = 0; l < a0; ++l) s[l] = 0;
+          for (int64_t l = a1; l < L; ++l) s[l] = 0;
           inv[i] = T(1) / sum;
           lse[i] = mx + std::log2(sum);
         }
@@ -102,15 +111,17 @@ void forward(const SlidingWindowArgs& a) {
         }
       }
     }
-  }
+  });
+  return status.get();
 }
 
 template <typename T>
-void backward(const SlidingWindowArgs& a) {
+int backward(const SlidingWindowArgs& a) {
   const int64_t C = a.block, Lmax = std::min((C + a.window - 1 + 15) / 16 * 16, a.T);
   const T scale = T(a.scale);
+  Status status;
 #pragma omp parallel num_threads(a.threads)
-  {
+  status.run([&] {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
     std::vector<T> P(C * Lmax), dP(C * Lmax);
@@ -130,15 +141,17 @@ void backward(const SlidingWindowArgs& a) {
           T delta = 0;
 #pragma omp simd reduction(+ : delta)
           for (int64_t e = 0; e < a.Dv; ++e) delta += g[e] * o[e];
-          const int64_t lo = blk.lo(i), hi = blk.hi(i);
+          const int64_t lo = blk.lo(i), hi = blk.hi(i), a0 = blk.lo16(i), a1 = blk.hi16(i);
           const T m = lse[i];
-          for (int64_t l = 0; l < lo; ++l) p[l] = ds[l] = 0;
+          for (int64_t l = 0; l < a0; ++l) p[l] = ds[l] = 0;
 #pragma omp simd
-          for (int64_t l = lo; l <= hi; ++l) {
-            p[l] = vexp2(p[l] - m);
-            ds[l] = p[l] * (ds[l] - delta);
+          for (int64_t l = a0; l < a1; ++l) {
+            const T e = vexp2(std::min(p[l] - m, T(0)));
+            const bool in = l >= lo && l <= hi;
+            p[l] = in ? e : T(0);
+            ds[l] = in ? e * (ds[l] - delta) : T(0);
           }
-          for (int64_t l = hi + 1; l < L; ++l) p[l] = ds[l] = 0;
+          for (int64_t l = a1; l < L; ++l) p[l] = ds[l] = 0;
         }
         const int64_t ldk = a.H * a.Dk, ldv = a.H * a.Dv;
         T* dq = static_cast<T*>(a.dq) + blk.row(t0) * a.Dk;
@@ -155,14 +168,15 @@ void backward(const SlidingWindowArgs& a) {
         gemm<T>(true, false, L, a.Dv, cl, 1, P.data(), L, blk.dout(), a.sdo[1], 1, dv, ldv);
       }
     }
-  }
+  });
+  return status.get();
 }
 
 }  // namespace
 
 extern "C" {
-void lt_sliding_window_forward_f32(const SlidingWindowArgs* a) { forward<float>(*a); }
-void lt_sliding_window_forward_f64(const SlidingWindowArgs* a) { forward<double>(*a); }
-void lt_sliding_window_backward_f32(const SlidingWindowArgs* a) { backward<float>(*a); }
-void lt_sliding_window_backward_f64(const SlidingWindowArgs* a) { backward<double>(*a); }
+int lt_sliding_window_forward_f32(const SlidingWindowArgs* a) { return forward<float>(*a); }
+int lt_sliding_window_forward_f64(const SlidingWindowArgs* a) { return forward<double>(*a); }
+int lt_sliding_window_backward_f32(const SlidingWindowArgs* a) { return backward<float>(*a); }
+int lt_sliding_window_backward_f64(const SlidingWindowArgs* a) { return backward<double>(*a); }
 }

@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, empty, ptr, strides, takes
+from .binding import I3, P, call, empty, ptr, require, strides, takes
 
 # query rows per block: a block's scores (BLOCK x (BLOCK + window - 1)) stay in cache
 BLOCK = 64
@@ -30,6 +30,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _args(q, k, v, window: int, scale: float) -> SlidingWindowArgs:
+    require(q.dim() == 4 and k.shape == q.shape, f"q and k must be [B, T, H, Dk] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    require(v.dim() == 4 and v.shape[:3] == q.shape[:3], f"v must be [B, T, H, Dv] with q's B, T, H, got {tuple(v.shape)}")
+    require(q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float64),
+            f"q, k, v must share one dtype, float32 or float64, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(isinstance(window, int) and window >= 1, f"window must be an int >= 1, got {window!r}")
     B, T, H, Dk = q.shape
     a = SlidingWindowArgs()
     a.q, a.k, a.v = ptr(q), ptr(k), ptr(v)
@@ -60,6 +65,10 @@ def backward(q, k, v, o, lse, do, window: int, scale: float):
     q, k, v, do = map(_rows, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
     a = _args(q, k, v, window, scale)
+    B, T, H, _ = q.shape
+    require(do.shape == (B, T, H, v.shape[-1]), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
+    require(o.shape == do.shape and o.is_contiguous() and lse.shape == (B, H, T) and lse.is_contiguous(),
+            "o and lse must be forward's")
     a.o, a.lse, a.dout = ptr(o), ptr(lse), ptr(do)
     a.sdo = strides(do)
     a.dq, a.dk, a.dv = ptr(dq), ptr(dk), ptr(dv)
