@@ -1,6 +1,7 @@
 """BigBird block-sparse attention against dense float64 softmax under its own mask."""
 import pytest
 import torch
+from allocations import Allocations
 from qkv import random_qkv
 
 from lintrans.ops.bigbird import bigbird_attention, bigbird_attention_reference, bigbird_mask, block_pattern
@@ -54,9 +55,17 @@ def test_the_mask_is_bigbirds():
 
 def test_sparse_work_never_builds_t_by_t():
     # at T = 4096 with blocks of 64 the dense scores would be 16.8M floats per head; the op's are 64*6*64*64
-    q, k, v = inputs(1, 4096, 1, 8, 8, dtype=torch.float32)
-    o = bigbird_attention(q, k, v, block_size=64)
-    assert o.shape == (1, 4096, 1, 8) and torch.isfinite(o).all()
+    # (3 window + 1 global + 2 random blocks a row): no tensor it creates is more than twice those, and
+    # all of them together less than one T x T
+    T, n = 4096, 64
+    q, k, v = inputs(1, T, 1, 8, 8, dtype=torch.float32)
+    with Allocations() as a:
+        o = bigbird_attention(q, k, v, block_size=n)
+    assert o.shape == (1, T, 1, 8) and torch.isfinite(o).all()
+    assert a.largest <= 2 * (T // n) * 6 * n * n * 4 and a.total < T * T * 4
+    with Allocations() as a:  # the count sees a dense op's scores
+        bigbird_attention_reference(q[:, :256], k[:, :256], v[:, :256], block_size=n)
+    assert a.largest >= 256 * 256 * 4
 
 
 @pytest.mark.parametrize("kw, err, match", [

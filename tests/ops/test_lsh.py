@@ -1,6 +1,7 @@
 """Reformer LSH attention against dense float64 shared-QK softmax under its own mask."""
 import pytest
 import torch
+from allocations import Allocations
 from qkv import random_qkv
 
 from lintrans.ops.lsh import (
@@ -149,10 +150,17 @@ def test_buckets_are_angular_lsh():
 
 
 def test_sparse_work_never_builds_t_by_t():
-    # dense scores at T = 8192 would be 67M floats per head and round; the op's are 8192 x 2 chunks
-    qk, v = inputs(1, 8192, 1, 8, 8, dtype=torch.float32)
-    o, _ = lsh_attention(qk, v, n_buckets=64, n_hashes=2, chunk_size=64)
-    assert o.shape == (1, 8192, 1, 8) and torch.isfinite(o).all()
+    # dense scores at T = 8192 would be 67M floats per head and round; the op's are T x 2 chunks per
+    # round: no tensor it creates is more than twice those, and all of them together less than one T x T
+    T, R, c = 8192, 2, 64
+    qk, v = inputs(1, T, 1, 8, 8, dtype=torch.float32)
+    with Allocations() as a:
+        o, _ = lsh_attention(qk, v, n_buckets=64, n_hashes=R, chunk_size=c)
+    assert o.shape == (1, T, 1, 8) and torch.isfinite(o).all()
+    assert a.largest <= 2 * R * T * 2 * c * 4 and a.total < T * T * 4
+    with Allocations() as a:  # the count sees a dense op's scores
+        lsh_attention_reference(qk[:, :256], v[:, :256], n_buckets=64, n_hashes=R, chunk_size=c)
+    assert a.largest >= 256 * 256 * 4
 
 
 @pytest.mark.parametrize("kw, err, match", [
