@@ -7,10 +7,12 @@ import torch
 
 from ..linear import _check_log_decay, _log_decay_head_first
 from ..validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
+from ..native import delta_rule as native_delta
 from . import chunked as _chunked_form
 from .reference import l2_normalized, step, token_loop
 
 DELTA_FORMS = ("recurrent", "chunked")
+_native_enabled = True  # tests turn the fused kernel off to reach the PyTorch chunked form
 
 
 def _check_beta(beta, shape: tuple, layout: str, device) -> None:
@@ -96,11 +98,15 @@ def delta_rule(
     dtype = compute_dtype(q.dtype)
     with autocast_off(q.device):
         qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
+        S0 = (torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device) if initial_state is None
+              else initial_state.to(dtype))
+        if form == "chunked" and _native_enabled and native_delta.supports(qs, ks, v.to(dtype), beta.to(dtype), None):
+            ld = None if log_decay is None else log_decay.to(dtype)
+            o, S = _chunked_form.native_chunked(qs, ks, v.to(dtype), beta.to(dtype), ld, S0, chunk_size)
+            return o.to(q.dtype), (S if output_final_state else None)
         qs, ks, vs = (x.transpose(1, 2) for x in (qs, ks, v.to(dtype)))  # [B,H,T,D]
         bs = beta.to(dtype).transpose(1, 2)
         ld = None if log_decay is None else _log_decay_head_first(log_decay, B, T, H, dtype)
-        S0 = (torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device) if initial_state is None
-              else initial_state.to(dtype))
         if form == "recurrent":
             o, S = token_loop(qs, ks, vs, bs, ld, S0)
         else:

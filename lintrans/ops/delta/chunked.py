@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from ..native import delta_rule as native_delta
+
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     """Zero-pad dim 2 (T, head-first) by n."""
@@ -154,3 +156,34 @@ def chunked(q, k, v, beta, log_decay, S0, chunk: int):
         b = _pad(log_decay.double()[..., None], pad)[..., 0].unflatten(2, (N, c)).cumsum(-1)
     o, S = _Chunked.apply(*shaped, beta, b, S0)
     return o.flatten(2, 3)[:, :, :T], S
+
+
+class _Native(torch.autograd.Function):
+    """The same chunked form by the fused CPU kernel (lintrans/ops/native/delta_rule.cpp), on [B, T, H, *]
+    tensors as they come: q (normalised and scaled), k, v, beta [B, T, H], ld [B|1, T, H] or None, S0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, ld, S0, chunk):
+        o, states, S = native_delta.forward(q, k, v, beta, ld, S0, chunk)
+        ctx.save_for_backward(q, k, v, beta, ld, states)
+        ctx.chunk = chunk
+        return o, S
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dS_end):
+        q, k, v, beta, ld, states = ctx.saved_tensors
+        if dS_end is None:
+            dS_end = q.new_zeros(states.shape[0], states.shape[1], *states.shape[3:])
+        dq, dk, dv, dbeta, dld, dS0 = native_delta.backward(q, k, v, beta, ld, states, do, dS_end, ctx.chunk)
+        return dq, dk, dv, dbeta, dld, dS0, None
+
+
+def native_chunked(q, k, v, beta, log_decay, S0, chunk: int):
+    """The fused kernel on [B, T, H, *] tensors in float32/float64 (see ``_Native``); log_decay
+    [B, T, H], [H] or None. Returns (o [B, T, H, Dv], S [B, H, Dk, Dv])."""
+    B, T, H, _ = q.shape
+    ld = log_decay
+    if ld is not None and ld.dim() == 1:
+        ld = ld[None, None, :].expand(1, T, H)
+    return _Native.apply(q, k, v, beta, ld, S0, min(chunk, T))

@@ -1,0 +1,373 @@
+// The chunked delta rule, fused, for the CPU: the algebra of _Chunked in lintrans/ops/delta/chunked.py
+// (read that first: names and steps match), one (batch, head) pair per OpenMP task, its chunks walked
+// in order by one thread, every temporary a chunk's worth and the products as direct BLAS calls.
+//
+// Per chunk of cl tokens (rows gathered into contiguous buffers), with S the state entering it,
+// b the in-chunk cumulative log-decays (double), E_ij = exp(b_i - b_j) (j <= i), Gam_i = exp(b_i),
+// kap_j = exp(b_last - b_j), gam = exp(b_last):
+//   A = strict_lower(beta_i (k_i . k_j) E_ij);  [W | U~] = (I + A)^-1 [beta Gam k | beta v]  (trsm)
+//   U = U~ - W S;  o = (lower(q k^T) * E) U + (Gam q) S;  S <- gam S + (kap k)^T U
+// Forward saves the state entering every chunk; backward walks the chunks in reverse, recomputing
+// each chunk's solve, and carries dS, the gradient reaching the state after the chunk.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "simd_math.h"
+
+extern "C" {
+void strsm_(const char*, const char*, const char*, const char*, const int*, const int*, const float*, const float*,
+            const int*, float*, const int*);
+void dtrsm_(const char*, const char*, const char*, const char*, const int*, const int*, const double*,
+            const double*, const int*, double*, const int*);
+}
+
+// Field for field the ctypes.Structure DeltaArgs in lintrans/ops/native/delta_rule.py.
+struct DeltaArgs {
+  const void *q, *k, *v, *beta, *ld, *S0;  // q, k [B, T, H, Dk]; v [B, T, H, Dv]; beta, ld [B|1, T, H]; S0 [B, H, Dk, Dv]
+  void *o, *states, *S_end;                // o [B, T, H, Dv]; states [B, H, nck, Dk, Dv]; S_end [B, H, Dk, Dv]
+  const void *dout, *dS_end;               // backward: do [B, T, H, Dv] (strides sdo), dS_end [B, H, Dk, Dv]
+  void *dq, *dk, *dv, *dbeta, *dld, *dS0;  // dq, dk [B, T, H, Dk], dv [B, T, H, Dv], dbeta, dld [B, T, H]
+  int64_t B, T, H, Dk, Dv;
+  int64_t sq[3], sk[3], sv[3], sbeta[3], sld[3], sdo[3];  // strides of B, T, H (the last dimension's is 1)
+  int64_t chunk, threads;
+};
+LINTRANS_EXPORT_SIZEOF(DeltaArgs)
+
+namespace {
+
+using namespace lintrans_cpu;
+using namespace lintrans_simd;
+
+inline void trsm(const char* side, const char* uplo, const char* ta, const char* diag, const int* m, const int* n,
+                 const float* al, const float* a, const int* lda, float* b, const int* ldb) {
+  strsm_(side, uplo, ta, diag, m, n, al, a, lda, b, ldb);
+}
+inline void trsm(const char* side, const char* uplo, const char* ta, const char* diag, const int* m, const int* n,
+                 const double* al, const double* a, const int* lda, double* b, const int* ldb) {
+  dtrsm_(side, uplo, ta, diag, m, n, al, a, lda, b, ldb);
+}
+
+// Row-major X [cl, n] (row stride ldx) <- (I + A)^-1 X, or (I + A)^-T X with `transposed`; A strictly
+// lower [cl, cl] (row stride lda; its diagonal is not read). BLAS is column-major: there X is X^T and
+// A is A^T (upper), so the solve is X^T (I + A)^T = R^T from the right.
+template <typename T>
+void unit_lower_solve(bool transposed, int cl, int n, const T* A, int lda, T* X, int ldx) {
+  const T one = 1;
+  trsm("R", "U", transposed ? "T" : "N", "U", &n, &cl, &one, A, &lda, X, &ldx);
+}
+
+template <typename T>
+struct Work {
+  int64_t c, Dk, Dv;
+  std::vector<T> q, k, v, beta, Gam, kap, E, A, Kk, P, X, U, kh, qG;
+  std::vector<double> b;
+  // backward
+  std::vector<T> dO, dU, dP, dR, dq, dk, dv, dbeta, dSn, dqi, dkh, db;
+  Work(int64_t c, int64_t Dk, int64_t Dv, bool backward)
+      : c(c), Dk(Dk), Dv(Dv), q(c * Dk), k(c * Dk), v(c * Dv), beta(c), Gam(c), kap(c), E(c * c), A(c * c),
+        Kk(c * c), P(c * c), X(c * (Dk + Dv)), U(c * Dv), kh(c * Dk), qG(c * Dk), b(c) {
+    if (!backward) return;
+    for (auto* x : {&dO, &dU}) x->resize(c * Dv);
+    for (auto* x : {&dP}) x->resize(c * c);
+    dR.resize(c * (Dk + Dv));
+    for (auto* x : {&dq, &dk, &dqi, &dkh}) x->resize(c * Dk);
+    dv.resize(c * Dv);
+    dbeta.resize(c);
+    db.resize(c);
+    dSn.resize(Dk * Dv);
+  }
+};
+
+template <typename T>
+inline const T* row(const void* base, const int64_t* s, int64_t b, int64_t t, int64_t h) {
+  return static_cast<const T*>(base) + b * s[0] + t * s[1] + h * s[2];
+}
+
+// Gather the chunk's rows and build everything of it that does not depend on the state:
+// b, E, Gam, kap, A (with Kk), [W | U~] in X, kh = kap k, qG = Gam q, P = lower(q k^T) E.
+template <typename T>
+void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_t t0, int64_t cl, bool gated) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c, n = Dk + Dv;
+  for (int64_t i = 0; i < cl; ++i) {
+    std::memcpy(&w.q[i * Dk], row<T>(a.q, a.sq, bi, t0 + i, h), Dk * sizeof(T));
+    std::memcpy(&w.k[i * Dk], row<T>(a.k, a.sk, bi, t0 + i, h), Dk * sizeof(T));
+    std::memcpy(&w.v[i * Dv], row<T>(a.v, a.sv, bi, t0 + i, h), Dv * sizeof(T));
+    w.beta[i] = *row<T>(a.beta, a.sbeta, bi, t0 + i, h);
+  }
+  if (gated) {
+    double acc = 0;
+    for (int64_t i = 0; i < cl; ++i) w.b[i] = acc += double(*row<T>(a.ld, a.sld, bi, t0 + i, h));
+    const double last = w.b[cl - 1];
+    for (int64_t i = 0; i < cl; ++i) {
+      w.Gam[i] = T(std::exp(w.b[i]));
+      w.kap[i] = T(std::exp(last - w.b[i]));
+      const double bi_ = w.b[i];
+      T* Ei = &w.E[i * c];
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) Ei[j] = T(bi_ - w.b[j]);  // <= 0: differences in double
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) Ei[j] = vexp(Ei[j]);
+    }
+  }
+  // Kk = k k^T (lower part used), then A = strict_lower(beta_i Kk E)
+  gemm<T>(false, true, cl, cl, Dk, w.k.data(), Dk, w.k.data(), Dk, 0, w.Kk.data(), c);
+  for (int64_t i = 0; i < cl; ++i) {
+    const T bi_ = w.beta[i];
+    T* Ai = &w.A[i * c];
+    const T* Ki = &w.Kk[i * c];
+    if (gated) {
+      const T* Ei = &w.E[i * c];
+#pragma omp simd
+      for (int64_t j = 0; j < i; ++j) Ai[j] = bi_ * Ki[j] * Ei[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < i; ++j) Ai[j] = bi_ * Ki[j];
+    }
+  }
+  // X = [beta Gam k | beta v], solved in place
+  for (int64_t i = 0; i < cl; ++i) {
+    const T bk = w.beta[i] * (gated ? w.Gam[i] : T(1)), bv = w.beta[i];
+    T* Xi = &w.X[i * n];
+    const T *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
+#pragma omp simd
+    for (int64_t j = 0; j < Dk; ++j) Xi[j] = bk * ki[j];
+#pragma omp simd
+    for (int64_t j = 0; j < Dv; ++j) Xi[Dk + j] = bv * vi[j];
+  }
+  unit_lower_solve<T>(false, int(cl), int(n), w.A.data(), int(c), w.X.data(), int(n));
+  // kh = kap k, qG = Gam q
+  for (int64_t i = 0; i < cl; ++i) {
+    const T ka = gated ? w.kap[i] : T(1), ga = gated ? w.Gam[i] : T(1);
+#pragma omp simd
+    for (int64_t j = 0; j < Dk; ++j) {
+      w.kh[i * Dk + j] = ka * w.k[i * Dk + j];
+      w.qG[i * Dk + j] = ga * w.q[i * Dk + j];
+    }
+  }
+  // P = lower(q k^T) * E (entries above the diagonal zeroed)
+  gemm<T>(false, true, cl, cl, Dk, w.q.data(), Dk, w.k.data(), Dk, 0, w.P.data(), c);
+  for (int64_t i = 0; i < cl; ++i) {
+    T* Pi = &w.P[i * c];
+    if (gated) {
+      const T* Ei = &w.E[i * c];
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) Pi[j] *= Ei[j];
+    }
+    std::fill(Pi + i + 1, Pi + cl, T(0));
+  }
+}
+
+// U = U~ - W S (W, U~ the columns of X)
+template <typename T>
+void values_written(Work<T>& w, int64_t cl, const T* S) {
+  const int64_t Dk = w.Dk, Dv = w.Dv, n = Dk + Dv;
+  for (int64_t i = 0; i < cl; ++i) std::memcpy(&w.U[i * Dv], &w.X[i * n + Dk], Dv * sizeof(T));
+  gemm<T>(false, false, cl, Dv, Dk, T(-1), w.X.data(), n, S, Dv, 1, w.U.data(), Dv);
+}
+
+// S <- gam S + kh^T U
+template <typename T>
+void advance(Work<T>& w, int64_t cl, T* S, bool gated) {
+  const int64_t Dk = w.Dk, Dv = w.Dv;
+  T gam = T(1);
+  if (gated) {
+    gam = T(std::exp(w.b[cl - 1]));
+#pragma omp simd
+    for (int64_t j = 0; j < Dk * Dv; ++j) S[j] *= gam;
+  }
+  gemm<T>(true, false, Dk, Dv, cl, w.kh.data(), Dk, w.U.data(), Dv, 1, S, Dv);
+}
+
+template <typename T>
+int forward(const DeltaArgs& a) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, c = a.chunk, nck = (a.T + c - 1) / c;
+  const bool gated = a.ld != nullptr;
+  Status status;
+#pragma omp parallel num_threads(a.threads)
+  status.run([&] {
+    SequentialBlas one_thread;
+    const HeadRange r(a.B * a.H);
+    Work<T> w(c, Dk, Dv, false);
+    std::vector<T> S(KV), o(c * Dv);
+    for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+      const int64_t bi = bh / a.H, h = bh % a.H;
+      std::memcpy(S.data(), static_cast<const T*>(a.S0) + bh * KV, KV * sizeof(T));
+      for (int64_t m = 0; m < nck; ++m) {
+        const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
+        std::memcpy(static_cast<T*>(a.states) + (bh * nck + m) * KV, S.data(), KV * sizeof(T));
+        prepare_chunk(a, w, bi, h, t0, cl, gated);
+        values_written(w, cl, S.data());
+        // o = P U + qG S
+        gemm<T>(false, false, cl, Dv, cl, w.P.data(), c, w.U.data(), Dv, 0, o.data(), Dv);
+        gemm<T>(false, false, cl, Dv, Dk, w.qG.data(), Dk, S.data(), Dv, 1, o.data(), Dv);
+        T* out = static_cast<T*>(a.o) + ((bi * a.T + t0) * a.H + h) * Dv;
+        for (int64_t i = 0; i < cl; ++i) std::memcpy(out + i * a.H * Dv, &o[i * Dv], Dv * sizeof(T));
+        advance(w, cl, S.data(), gated);
+      }
+      std::memcpy(static_cast<T*>(a.S_end) + bh * KV, S.data(), KV * sizeof(T));
+    }
+  });
+  return status.get();
+}
+
+template <typename T>
+int backward(const DeltaArgs& a) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, n = Dk + Dv, c = a.chunk, nck = (a.T + c - 1) / c;
+  const bool gated = a.ld != nullptr;
+  Status status;
+#pragma omp parallel num_threads(a.threads)
+  status.run([&] {
+    SequentialBlas one_thread;
+    const HeadRange r(a.B * a.H);
+    Work<T> w(c, Dk, Dv, true);
+    std::vector<T> dS(KV);
+    for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+      const int64_t bi = bh / a.H, h = bh % a.H;
+      std::memcpy(dS.data(), static_cast<const T*>(a.dS_end) + bh * KV, KV * sizeof(T));
+      for (int64_t m = nck - 1; m >= 0; --m) {
+        const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
+        const T* S = static_cast<const T*>(a.states) + (bh * nck + m) * KV;
+        prepare_chunk(a, w, bi, h, t0, cl, gated);
+        values_written(w, cl, S);
+        for (int64_t i = 0; i < cl; ++i)
+          std::memcpy(&w.dO[i * Dv], row<T>(a.dout, a.sdo, bi, t0 + i, h), Dv * sizeof(T));
+        // dU = P^T dO + kh dS
+        gemm<T>(true, false, cl, Dv, cl, w.P.data(), c, w.dO.data(), Dv, 0, w.dU.data(), Dv);
+        gemm<T>(false, false, cl, Dv, Dk, w.kh.data(), Dk, dS.data(), Dv, 1, w.dU.data(), Dv);
+        // dS_n = qG^T dO + gam dS - W^T dU (dS itself still needed below: build it aside)
+        const T gam = gated ? T(std::exp(w.b[cl - 1])) : T(1);
+        std::memcpy(w.dSn.data(), dS.data(), KV * sizeof(T));
+        gemm<T>(true, false, Dk, Dv, cl, w.qG.data(), Dk, w.dO.data(), Dv, gam, w.dSn.data(), Dv);
+        gemm<T>(true, false, Dk, Dv, cl, T(-1), w.X.data(), n, w.dU.data(), Dv, 1, w.dSn.data(), Dv);
+        // dP = lower(dO U^T); dq = (dP E) k + Gam (dO S^T); dk = (dP E)^T q
+        gemm<T>(false, true, cl, cl, Dv, w.dO.data(), Dv, w.U.data(), Dv, 0, w.dP.data(), c);
+        gemm<T>(false, true, cl, Dk, Dv, w.dO.data(), Dv, S, Dv, 0, w.dqi.data(), Dk);  // d(qG)
+        std::fill(w.db.begin(), w.db.begin() + cl, T(0));
+        for (int64_t i = 0; i < cl; ++i) {
+          T* dPi = &w.dP[i * c];
+          std::fill(dPi + i + 1, dPi + cl, T(0));
+          if (gated) {
+            const T *Ei = &w.E[i * c], *Pi = &w.P[i * c];
+            T zs = 0;
+            for (int64_t j = 0; j <= i; ++j) {  // Z = dP * P: d/d(b_i - b_j)
+              const T z = dPi[j] * Pi[j];
+              zs += z;
+              w.db[j] -= z;
+              dPi[j] *= Ei[j];  // dP E
+            }
+            w.db[i] += zs;
+          }
+        }
+        gemm<T>(false, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 0, w.dq.data(), Dk);
+        gemm<T>(true, false, cl, Dk, cl, w.dP.data(), c, w.q.data(), Dk, 0, w.dk.data(), Dk);
+        for (int64_t i = 0; i < cl; ++i) {
+          const T g = gated ? w.Gam[i] : T(1);
+          T dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t j = 0; j < Dk; ++j) {
+            dot += w.dqi[i * Dk + j] * w.qG[i * Dk + j];
+            w.dq[i * Dk + j] += g * w.dqi[i * Dk + j];
+          }
+          if (gated) w.db[i] += dot;
+        }
+        // dR = (I + A)^-T [-dU S^T | dU]
+        gemm<T>(false, true, cl, Dk, Dv, T(-1), w.dU.data(), Dv, S, Dv, 0, w.dR.data(), n);
+        for (int64_t i = 0; i < cl; ++i) std::memcpy(&w.dR[i * n + Dk], &w.dU[i * Dv], Dv * sizeof(T));
+        unit_lower_solve<T>(true, int(cl), int(n), w.A.data(), int(c), w.dR.data(), int(n));
+        // dA = -strict_lower(dRw W^T + dRu U~^T) = -strict_lower(dR X^T), into dP's place
+        gemm<T>(false, true, cl, cl, n, T(-1), w.dR.data(), n, w.X.data(), n, 0, w.dP.data(), c);
+        for (int64_t i = 0; i < cl; ++i) {
+          const T bi_ = w.beta[i];
+          const T *dRw = &w.dR[i * n], *dRu = &w.dR[i * n + Dk], *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
+          T rw = 0, ru = 0;
+#pragma omp simd reduction(+ : rw)
+          for (int64_t j = 0; j < Dk; ++j) rw += dRw[j] * ki[j];
+#pragma omp simd reduction(+ : ru)
+          for (int64_t j = 0; j < Dv; ++j) ru += dRu[j] * vi[j];
+          const T g = gated ? w.Gam[i] : T(1);
+#pragma omp simd
+          for (int64_t j = 0; j < Dk; ++j) w.dk[i * Dk + j] += bi_ * g * dRw[j];
+#pragma omp simd
+          for (int64_t j = 0; j < Dv; ++j) w.dv[i * Dv + j] = bi_ * dRu[j];
+          T* dAi = &w.dP[i * c];
+          const T* Ki = &w.Kk[i * c];
+          T dbA = 0;
+          if (gated) {
+            const T* Ei = &w.E[i * c];
+            T zs = 0;
+            for (int64_t j = 0; j < i; ++j) {
+              const T dae = dAi[j] * Ei[j];
+              dbA += dae * Ki[j];
+              const T z = dae * bi_ * Ki[j];
+              zs += z;
+              w.db[j] -= z;
+              dAi[j] = bi_ * dae;  // dKk
+            }
+            w.db[i] += zs + bi_ * g * rw;
+          } else {
+#pragma omp simd reduction(+ : dbA)
+            for (int64_t j = 0; j < i; ++j) {
+              dbA += dAi[j] * Ki[j];
+              dAi[j] *= bi_;
+            }
+          }
+          std::fill(dAi + i, dAi + cl, T(0));
+          w.dbeta[i] = g * rw + ru + dbA;
+        }
+        // dk += (dKk + dKk^T) k
+        gemm<T>(false, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 1, w.dk.data(), Dk);
+        gemm<T>(true, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 1, w.dk.data(), Dk);
+        // the state's update: dkh = U dS^T; dk += kap dkh; b's share through kap and gam
+        gemm<T>(false, true, cl, Dk, Dv, w.U.data(), Dv, dS.data(), Dv, 0, w.dkh.data(), Dk);
+        T ysum = 0;
+        for (int64_t i = 0; i < cl; ++i) {
+          const T ka = gated ? w.kap[i] : T(1);
+          T y = 0;
+#pragma omp simd reduction(+ : y)
+          for (int64_t j = 0; j < Dk; ++j) {
+            y += w.dkh[i * Dk + j] * w.kh[i * Dk + j];
+            w.dk[i * Dk + j] += ka * w.dkh[i * Dk + j];
+          }
+          if (gated) {
+            w.db[i] -= y;
+            ysum += y;
+          }
+        }
+        if (gated) {
+          T sd = 0;
+#pragma omp simd reduction(+ : sd)
+          for (int64_t j = 0; j < KV; ++j) sd += S[j] * dS[j];
+          w.db[cl - 1] += ysum + gam * sd;
+        }
+        // scatter; d log_decay_t = sum of db_i over the chunk's rows i >= t (b is their cumulative sum)
+        T acc = 0;
+        for (int64_t i = cl - 1; i >= 0; --i) {
+          const int64_t t = t0 + i, o = ((bi * a.T + t) * a.H + h);
+          std::memcpy(static_cast<T*>(a.dq) + o * Dk, &w.dq[i * Dk], Dk * sizeof(T));
+          std::memcpy(static_cast<T*>(a.dk) + o * Dk, &w.dk[i * Dk], Dk * sizeof(T));
+          std::memcpy(static_cast<T*>(a.dv) + o * Dv, &w.dv[i * Dv], Dv * sizeof(T));
+          static_cast<T*>(a.dbeta)[o] = w.dbeta[i];
+          if (gated) static_cast<T*>(a.dld)[o] = acc += w.db[i];
+        }
+        std::memcpy(dS.data(), w.dSn.data(), KV * sizeof(T));
+      }
+      std::memcpy(static_cast<T*>(a.dS0) + bh * KV, dS.data(), KV * sizeof(T));
+    }
+  });
+  return status.get();
+}
+
+}  // namespace
+
+extern "C" {
+int lt_delta_forward_f32(const DeltaArgs* a) { return forward<float>(*a); }
+int lt_delta_forward_f64(const DeltaArgs* a) { return forward<double>(*a); }
+int lt_delta_backward_f32(const DeltaArgs* a) { return backward<float>(*a); }
+int lt_delta_backward_f64(const DeltaArgs* a) { return backward<double>(*a); }
+}

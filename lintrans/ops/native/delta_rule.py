@@ -1,0 +1,93 @@
+"""ctypes bindings of delta_rule.cpp: the fused CPU chunked delta rule behind ``delta_rule``."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .binding import I3, P, call, empty, last_contiguous, ptr, require, strides, takes
+
+
+class DeltaArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("q", "k", "v", "beta", "ld", "S0", "o", "states", "S_end", "dout", "dS_end",
+                                  "dq", "dk", "dv", "dbeta", "dld", "dS0")] + \
+               [(n, ctypes.c_int64) for n in ("B", "T", "H", "Dk", "Dv")] + \
+               [(n, I3) for n in ("sq", "sk", "sv", "sbeta", "sld", "sdo")] + \
+               [(n, ctypes.c_int64) for n in ("chunk", "threads")]
+
+
+def supports(q, k, v, beta, ld) -> bool:
+    """Whether the fused kernel can run this call (else the PyTorch form does); builds it on first use."""
+    return takes(q, k, v, beta, *([] if ld is None else [ld]))
+
+
+def _strides3(x: torch.Tensor):
+    """Strides of a [B|1, T, H] tensor's dimensions, 0 for a batch of one shared by every batch entry."""
+    s = x.stride()
+    return I3(0 if x.shape[0] == 1 else s[0], s[1], s[2])
+
+
+def _args(q, k, v, beta, ld, chunk: int) -> DeltaArgs:
+    require(q.dim() == 4 and k.shape == q.shape, f"q and k must be [B, T, H, Dk] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
+    require(v.dim() == 4 and v.shape[:3] == q.shape[:3], f"v must be [B, T, H, Dv] with q's B, T, H, got {tuple(v.shape)}")
+    B, T, H, Dk = q.shape
+    require(beta.shape == (B, T, H), f"beta must be [B, T, H], got {tuple(beta.shape)}")
+    require(ld is None or (ld.dim() == 3 and ld.shape[0] in (1, B) and ld.shape[1:] == (T, H)),
+            "log_decay must be [B or 1, T, H]")
+    require(all(x.dtype == q.dtype for x in (k, v, beta, *([] if ld is None else [ld])))
+            and q.dtype in (torch.float32, torch.float64), "q, k, v, beta, log_decay must share float32 or float64")
+    require(isinstance(chunk, int) and chunk >= 1, f"chunk must be an int >= 1, got {chunk!r}")
+    a = DeltaArgs()
+    a.q, a.k, a.v, a.beta, a.ld = ptr(q), ptr(k), ptr(v), ptr(beta), ptr(ld)
+    a.B, a.T, a.H, a.Dk, a.Dv = B, T, H, Dk, v.shape[-1]
+    a.sq, a.sk, a.sv, a.sbeta = strides(q), strides(k), strides(v), _strides3(beta)
+    if ld is not None:
+        a.sld = _strides3(ld)
+    a.chunk, a.threads = chunk, torch.get_num_threads()
+    return a
+
+
+def _states_shape(q, v, chunk):
+    B, T, H, Dk = q.shape
+    return (B, H, -(-T // chunk), Dk, v.shape[-1])
+
+
+# torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break)
+@torch.compiler.disable
+def forward(q, k, v, beta, ld, S0, chunk: int):
+    """q (prepared: normalised and scaled), k [B, T, H, Dk], v [B, T, H, Dv], beta [B, T, H], ld
+    [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], states [B, H, nck, Dk, Dv], S_end)."""
+    q, k, v = map(last_contiguous, (q, k, v))
+    a = _args(q, k, v, beta, ld, chunk)
+    B, T, H, Dk = q.shape
+    S0 = S0.contiguous()
+    require(S0.shape == (B, H, Dk, v.shape[-1]) and S0.dtype == q.dtype, f"S0 must be [B, H, Dk, Dv], got {tuple(S0.shape)}")
+    o = empty((B, T, H, v.shape[-1]), q)
+    states = empty(_states_shape(q, v, chunk), q)
+    S_end = torch.empty_like(S0)
+    a.S0, a.o, a.states, a.S_end = ptr(S0), ptr(o), ptr(states), ptr(S_end)
+    call("lt_delta_forward", q.dtype, a)
+    return o, states, S_end
+
+
+@torch.compiler.disable
+def backward(q, k, v, beta, ld, states, do, dS_end, chunk: int):
+    """(dq, dk, dv, dbeta, dld or None, dS0), dld [B|1, T, H] as ld."""
+    q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
+    a = _args(q, k, v, beta, ld, chunk)
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
+    require(states.shape == _states_shape(q, v, chunk) and states.is_contiguous(), "states must be forward's")
+    dS_end = dS_end.to(q.dtype).contiguous()
+    require(dS_end.shape == (B, H, Dk, Dv), "dS_end must be [B, H, Dk, Dv]")
+    dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
+    dbeta = empty((B, T, H), q)
+    dld = None if ld is None else empty((B, T, H), q)
+    dS0 = torch.empty_like(dS_end)
+    a.states, a.dout, a.dS_end, a.sdo = ptr(states), ptr(do), ptr(dS_end), strides(do)
+    a.dq, a.dk, a.dv, a.dbeta, a.dld, a.dS0 = ptr(dq), ptr(dk), ptr(dv), ptr(dbeta), ptr(dld), ptr(dS0)
+    call("lt_delta_backward", q.dtype, a)
+    if dld is not None and ld.shape[0] == 1 and B > 1:
+        dld = dld.sum(0, keepdim=True)
+    return dq, dk, dv, dbeta, dld, dS0
