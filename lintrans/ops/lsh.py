@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_number, check_tensor, compute_dtype
+from .validation import check_number, check_tensor, compute_dtype, warn_if_head_first
 
 SELF_SCORE = -1e5  # a token's score with itself (the paper's 10^5 penalty)
 LOOKBACKS = ("chunk", "window")
@@ -66,6 +66,7 @@ def _check_inputs(qk, v) -> tuple[int, int, int, int, int]:
     B, T, H, D = qk.shape
     if T < 1:
         raise ValueError("sequence length T must be at least 1")
+    warn_if_head_first("qk", qk)
     return B, T, H, D, v.shape[-1]
 
 

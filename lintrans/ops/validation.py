@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import warnings
 
 import torch
 
@@ -50,6 +52,36 @@ def check_tensor(name: str, x, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
 
 
+# head counts from here on are rare in real models; below it, short sequences (T < H) are common
+# (a few prompt tokens, chunks, tests) and a warning would be noise
+HEAD_FIRST_MIN_H = 64
+
+
+def looks_head_first(T: int, H: int) -> bool:
+    """Whether a [B, T, H, D] tensor is more likely a [B, H, T, D] one passed by mistake: fewer
+    positions than heads, and more heads than models have."""
+    return T < H and H >= HEAD_FIRST_MIN_H
+
+
+def _called_from_outside() -> bool:
+    """Whether the op whose check is running (three frames up) was called from outside lintrans:
+    tensors that lintrans builds itself (a layer's heads, an op calling another op) are laid out
+    [B, T, H, D] by construction, and the outer op has warned already."""
+    caller = sys._getframe(3).f_back
+    return caller is None or not caller.f_globals.get("__name__", "").startswith("lintrans.")
+
+
+def warn_if_head_first(name: str, x: torch.Tensor) -> None:
+    """A UserWarning, pointing at the user's call, when the [B, T, H, D] tensor ``x`` looks like a
+    [B, H, T, D] one (``looks_head_first``). Call it from the op's own check function."""
+    _, T, H, _ = x.shape
+    if looks_head_first(T, H) and _called_from_outside():
+        stacklevel = 4  # this function, the check, the op, its caller
+        warnings.warn(f"{name} has shape {tuple(x.shape)}, read as [B, T, H, D] with T = {T} and H = {H}: more "
+                      "heads than positions suggests a [B, H, T, D] tensor; the ops take [B, T, H, D] "
+                      f"({name}.transpose(1, 2) converts)", UserWarning, stacklevel=stacklevel)
+
+
 def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, int, int]:
     """Validate q, k: [B, T, H, Dk] and v: [B, T, H, Dv]; returns (B, T, H, Dk, Dv)."""
     ndim = layout.count(",") + 1
@@ -70,6 +102,7 @@ def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, 
         B, T, H, Dk = q.shape
         if T < 1:
             raise ValueError("sequence length T must be at least 1")
+        warn_if_head_first("q", q)
         return B, T, H, Dk, v.shape[-1]
     B, H, Dk = q.shape
     return B, 1, H, Dk, v.shape[-1]
