@@ -77,6 +77,7 @@ def parameters(m: ModelShape, learned_positions: bool = True) -> dict[str, int]:
     ln = (1 + b) * D
     qkv = _mechanism(m).qkv_width(m)
     attn = D * qkv + b * qkv + D * D + b * D
+    attn += getattr(_mechanism(m), "extra_parameters", lambda shape: 0)(m)  # e.g. a convolution, norms
     n_in = 1 if m.mlp == "gelu" else 2
     mlp = n_in * D * m.mlp_hidden + b * n_in * m.mlp_hidden + m.mlp_hidden * D + b * D
     out = {

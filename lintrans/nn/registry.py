@@ -23,7 +23,8 @@ import importlib
 _REGISTRY: dict[str, type] = {}
 # modules that register mechanisms when imported; imported lazily so the core stays light
 _PROVIDERS = ("lintrans.nn.attention", "lintrans.nn.gated", "lintrans.nn.aft", "lintrans.nn.sliding_window",
-              "lintrans.nn.cosformer", "lintrans.nn.bigbird", "lintrans.nn.reformer")
+              "lintrans.nn.cosformer", "lintrans.nn.bigbird", "lintrans.nn.reformer",
+              "lintrans.nn.delta")
 
 
 def register_attention(name: str):

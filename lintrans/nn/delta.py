@@ -1,0 +1,168 @@
+"""Delta-rule layers for the GPT, registered as ``deltanet`` and ``gated-deltanet``.
+
+Built as DeltaNet (Yang et al. 2024) and Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025) build them,
+in flash-linear-attention's layout:
+
+    q, k, v = SiLU(causal depthwise conv_4(x W_qkv))       (one short convolution over q, k, v channels)
+    beta    = sigmoid(x W_beta)                           per head (2 sigmoid with allow_neg_eigval)
+    log a   = -exp(A_log) * softplus(x W_a + dt_bias)     per head, gated-deltanet only (Mamba-2's decay)
+    o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op
+    y       = (RMSNorm(o) * SiLU(x W_g)) W_o              RMSNorm per head, weight shared by the heads
+
+``A_log`` and ``dt_bias`` start as in Mamba-2 and flash-linear-attention (A ~ U(0, 16), softplus(dt_bias)
+log-uniform in [1e-3, 0.1]). With ``n_kv_head < n_head`` the key and value heads are shared by groups
+of query heads, so the state is still one Dk x Dv matrix per query head.
+
+The decoding cache is (the convolution's last ``conv_size - 1`` inputs [B, K-1, W], S [B, H, Dk, Dv]):
+its size does not depend on how many tokens it covers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lintrans.ops.delta import DELTA_FORMS, delta_rule, delta_rule_step
+
+from .attention import QKVAttention, check_options
+from .registry import register_attention
+
+
+@dataclass
+class DeltaNetOptions:
+    form: str = field(default="chunked", metadata={"choices": DELTA_FORMS})
+    chunk_size: int = field(default=64, metadata={"low": 1})
+    conv_size: int = field(default=4, metadata={
+        "low": 0, "help": "kernel of the causal depthwise convolution on q, k, v (0: none, SiLU only)"})
+    allow_neg_eigval: bool = field(default=False, metadata={
+        "help": "beta = 2 sigmoid(x W_beta) in [0, 2]: negative eigenvalues of the state transition"})
+    norm_eps: float = field(default=1e-5, metadata={"low": 0, "help": "epsilon of the output RMSNorm"})
+
+
+def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
+    """(A_log, dt_bias) [H] as Mamba-2 and flash-linear-attention initialise them."""
+    A = torch.empty(n_head).uniform_(0, 16)
+    dt = torch.exp(torch.rand(n_head) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_floor)
+    return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+
+
+def causal_conv(u: torch.Tensor, weight: torch.Tensor, prev: Optional[torch.Tensor]):
+    """Depthwise causal convolution: u [B, T, W], weight [W, 1, K], prev [B, K-1, W] (the inputs before
+    u; None: zeros) -> (y [B, T, W], the last K-1 inputs [B, K-1, W])."""
+    B, T, W = u.shape
+    K = weight.shape[-1]
+    if prev is None:
+        prev = u.new_zeros(B, K - 1, W)
+    full = torch.cat([prev.to(u.dtype), u], dim=1)  # [B, K-1+T, W]
+    y = F.conv1d(full.transpose(1, 2), weight, groups=W).transpose(1, 2)  # [B,T,W]
+    return y, full[:, full.shape[1] - (K - 1):]
+
+
+@register_attention("deltanet")
+class DeltaNet(QKVAttention):
+    """DeltaNet: the delta rule with a short convolution, beta gate and gated RMSNorm output (see the
+    module docstring)."""
+
+    NAME = "deltanet"
+    GATED = False
+    Options = DeltaNetOptions
+
+    def __init__(self, config):
+        super().__init__(config)
+        opts = check_options(self.NAME, config.attention_options, self.Options)
+        self.options = opts
+        self.form, self.chunk_size = opts["form"], opts["chunk_size"]
+        H, D, C = self.n_head, self.head_dim, config.n_embd
+        width = self.c_attn.out_features
+        self.conv_size = opts["conv_size"]
+        # depthwise, no bias (fla's ShortConvolution); PyTorch's default init, which GPT's init leaves alone
+        self.conv = nn.Conv1d(width, width, self.conv_size, groups=width, bias=False) if self.conv_size else None
+        self.beta_proj = nn.Linear(C, H, bias=config.bias)
+        self.g_proj = nn.Linear(C, H * D, bias=config.bias)  # the output gate
+        self.o_norm = nn.Parameter(torch.ones(D))
+        self.beta_max = 2.0 if opts["allow_neg_eigval"] else 1.0
+        self.norm_eps = opts["norm_eps"]
+        if self.GATED:
+            self.a_proj = nn.Linear(C, H, bias=config.bias)
+            A_log, dt_bias = mamba2_decay_init(H)
+            self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
+
+    def log_decay(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """log a [B, T, H] (<= 0), None for deltanet."""
+        if not self.GATED:
+            return None
+        return -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
+
+    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
+        B, T, _ = x.shape
+        conv_prev, S = (None, None) if cache is None else cache
+        u = self.c_attn(x)  # [B,T,W]
+        if self.conv is not None:
+            u, conv_prev = causal_conv(u, self.conv.weight, conv_prev)
+        q, k, v = self.qkv_split(F.silu(u))
+        k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,T,H,D]
+        beta = torch.sigmoid(self.beta_proj(x)) * self.beta_max  # [B,T,H]
+        ld = self.log_decay(x)
+        if cache is not None and T == 1:
+            o, S = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], S,
+                                   log_decay=None if ld is None else ld[:, 0])
+            o = o[:, None]  # [B,1,H,D]
+        else:
+            o, S = delta_rule(q, k, v, beta, log_decay=ld, form=self.form, chunk_size=self.chunk_size,
+                              initial_state=S, output_final_state=use_cache)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
+        o = o * F.silu(self.g_proj(x)).view(B, T, self.n_head, self.head_dim)
+        return self.out(o), ((conv_prev, S) if use_cache else None)
+
+    def qkv_split(self, u: torch.Tensor):
+        B, T, _ = u.shape
+        D = self.head_dim
+        q, k, v = u.split([self.n_head * D, self.n_kv_head * D, self.n_kv_head * D], dim=2)
+        return q.view(B, T, self.n_head, D), k.view(B, T, self.n_kv_head, D), v.view(B, T, self.n_kv_head, D)
+
+    # -- the cost model (lintrans.bench.cost) --------------------------------------------------
+
+    @classmethod
+    def qkv_width(cls, shape) -> int:
+        """Every input projection: q, k, v, the output gate (n_head * head_dim), beta and (gated) a."""
+        N, h = shape.n_head, shape.head_dim
+        return (N + 2 * shape.kv_heads) * h + N * h + N * (2 if cls.GATED else 1)
+
+    @classmethod
+    def extra_parameters(cls, shape) -> int:
+        """Parameters outside the projections: the convolution, the RMSNorm weight, A_log and dt_bias."""
+        conv = (shape.n_head + 2 * shape.kv_heads) * shape.head_dim * cls.option(shape, "conv_size")
+        return conv + shape.head_dim + (2 * shape.n_head if cls.GATED else 0)
+
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        """The delta rule per head with Dk = Dv = h. Recurrent: S^T k, the rank-one update and S^T q, 6 h^2
+        per token. Chunked (WY form), per chunk of L tokens: K K^T, W = T(beta K), U = T(beta V), Q K^T
+        and P U' (2 L^2 (3 + 2) h), U - W S, Q S and the state update K^T U' (6 L h^2), and the
+        unit-triangular inverse (2/3 L^3)."""
+        N, h = shape.n_head, shape.head_dim
+        if cls.option(shape, "form") == "recurrent":
+            return float(6 * B * N * T * h * h)
+        c = min(cls.option(shape, "chunk_size"), T)
+        n, r = divmod(T, c)
+        per = sum(m * (10 * L * L * h + 6 * L * h * h + 2 * L ** 3 / 3) for m, L in ((n, c), (1 if r else 0, r)))
+        return float(B * N * per)
+
+    @classmethod
+    def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
+        """S per head (float32 whatever the model's dtype) and the convolution's last K-1 inputs."""
+        conv = (shape.n_head + 2 * shape.kv_heads) * shape.head_dim * max(cls.option(shape, "conv_size") - 1, 0)
+        return B * shape.n_head * shape.head_dim * shape.head_dim * 4 + B * conv * dtype_bytes
+
+
+@register_attention("gated-deltanet")
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet: DeltaNet with Mamba-2's data-dependent decay of the state (see the module docstring)."""
+
+    NAME = "gated-deltanet"
+    GATED = True

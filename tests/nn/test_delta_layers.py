@@ -1,0 +1,218 @@
+"""The delta-rule GPT layers (deltanet, gated-deltanet) against a plain float64 token loop of the same
+layer math, decoding against one forward, their options, init, cost terms and the CLI."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lintrans.models import GPT, GPTConfig
+from lintrans.nn import get_attention
+
+MECHS = ["deltanet", "gated-deltanet"]
+
+
+def config(attention, opts=None, **kw):
+    base = dict(n_layer=1, n_head=4, n_embd=24, block_size=96, vocab_size=10, attention=attention,
+                attention_options=opts or {})
+    return GPTConfig(**{**base, **kw})
+
+
+def perturbed_layer(attention, opts=None, dtype=torch.float64, **kw):
+    layer = get_attention(attention)(config(attention, opts, **kw))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return layer.to(dtype)
+
+
+def linear(x, mod):
+    return x @ mod.weight.T + (0 if mod.bias is None else mod.bias)
+
+
+def reference(layer, x):
+    """The layer's math written out in float64, one token at a time (no op, no conv1d)."""
+    B, T, C = x.shape
+    H, Hk, D = layer.n_head, layer.n_kv_head, layer.head_dim
+    opts = layer.options
+    u = linear(x, layer.c_attn)  # [B,T,W]
+    K = opts["conv_size"]
+    if K:
+        w = layer.conv.weight[:, 0]  # [W,K]: tap K-1 multiplies the current input
+        u = torch.stack([sum(w[:, K - 1 - j] * u[:, t - j] for j in range(min(K, t + 1))) for t in range(T)], 1)
+    u = F.silu(u)
+    q = u[..., : H * D].reshape(B, T, H, D)
+    k = u[..., H * D: (H + Hk) * D].reshape(B, T, Hk, D).repeat_interleave(H // Hk, dim=2)
+    v = u[..., (H + Hk) * D:].reshape(B, T, Hk, D).repeat_interleave(H // Hk, dim=2)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    beta = torch.sigmoid(linear(x, layer.beta_proj)) * (2.0 if opts["allow_neg_eigval"] else 1.0)  # [B,T,H]
+    if hasattr(layer, "A_log"):
+        a = torch.exp(-torch.exp(layer.A_log) * F.softplus(linear(x, layer.a_proj) + layer.dt_bias))
+    else:
+        a = torch.ones(B, T, H, dtype=x.dtype)
+    S = torch.zeros(B, H, D, D, dtype=x.dtype)
+    outs = []
+    for t in range(T):
+        at = a[:, t, :, None, None]
+        pred = torch.einsum("bhkv,bhk->bhv", at * S, k[:, t])
+        S = at * S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
+        outs.append(D ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o = torch.stack(outs, 1)  # [B,T,H,D]
+    o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + opts["norm_eps"]) * layer.o_norm
+    o = o * F.silu(linear(x, layer.g_proj)).reshape(B, T, H, D)
+    return linear(o.reshape(B, T, C), layer.c_proj)
+
+
+@pytest.mark.parametrize("attention", MECHS)
+@pytest.mark.parametrize("T", [1, 5, 13])
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+@pytest.mark.parametrize("opts", [{"chunk_size": 4}, {"form": "recurrent", "conv_size": 2, "allow_neg_eigval": True},
+                                  {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3}])
+def test_layer_equals_token_loop_outputs_and_grads(attention, T, n_kv_head, opts):
+    layer = perturbed_layer(attention, opts, n_kv_head=n_kv_head)
+    x = torch.randn(2, T, 24, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x)
+    ref_layer = copy.deepcopy(layer)
+    ref = reference(ref_layer, x)
+    torch.testing.assert_close(y, ref, atol=1e-10, rtol=1e-9)
+    g = torch.randn_like(ref)
+    names = [n for n, _ in sorted(layer.named_parameters())]
+    got = torch.autograd.grad(y, [x, *[p for _, p in sorted(layer.named_parameters())]], g)
+    want = torch.autograd.grad(ref, [x, *[p for _, p in sorted(ref_layer.named_parameters())]], g)
+    for name, a, b in zip(["x", *names], got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("attention", MECHS)
+def test_chunk_boundaries_default_chunk(attention):
+    """T = 70 with the default chunk of 64: one full chunk and a remainder, against the token loop."""
+    layer = perturbed_layer(attention)
+    x = torch.randn(1, 70, 24, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x)[0], reference(layer, x), atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("attention", MECHS)
+def test_float32_output_and_gradient_finite(attention):
+    torch.manual_seed(0)
+    model = GPT(config(attention, n_layer=2))
+    idx = torch.randint(0, 10, (2, 70))
+    logits, loss = model(idx, idx)
+    assert torch.isfinite(logits).all() and torch.isfinite(loss)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    attn = model.transformer.h[0].attn
+    for mod in ("conv.weight", "beta_proj.weight", "g_proj.weight", "o_norm"):
+        assert attn.get_parameter(mod).grad.abs().sum() > 0, mod
+    if attention == "gated-deltanet":
+        assert attn.A_log.grad.abs().sum() > 0 and attn.dt_bias.grad.abs().sum() > 0
+
+
+def decode_all(model, idx, prompt):
+    cache, outs = None, []
+    logits, cache = model.forward_cached(idx[:, :prompt], cache)
+    outs.append(logits)
+    for t in range(prompt, idx.shape[1]):
+        logits, cache = model.forward_cached(idx[:, t: t + 1], cache)
+        outs.append(logits)
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("attention", MECHS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("opts", [{}, {"conv_size": 2, "chunk_size": 4, "allow_neg_eigval": True}])
+def test_decode_equals_forward(attention, dtype, tol, opts):
+    torch.manual_seed(1)
+    model = GPT(config(attention, opts, n_layer=2, n_head=2, n_embd=16, n_kv_head=1)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.eval()
+    idx = torch.randint(0, 10, (2, 70))
+    with torch.no_grad():
+        full, _ = model(idx)
+        for prompt in (1, 2, 66):  # shorter than the convolution, and past the first chunk of 64
+            step, cache = decode_all(model, idx, prompt)
+            assert (step - full).abs().max() <= tol, prompt
+    # the cache does not grow: the convolution's last K-1 inputs and S per layer
+    K = model.config.attention_options.get("conv_size", 4)
+    conv_prev, S = cache.layers[0]
+    assert conv_prev.shape == (2, K - 1, 4 * 8) and S.shape == (2, 2, 8, 8)
+    _, short = decode_all(model, idx[:, :10], 5)
+    assert short.nbytes() == cache.nbytes()
+
+
+@pytest.mark.parametrize("attention", MECHS)
+def test_greedy_generation_runs(attention):
+    model = GPT(config(attention, n_layer=1)).eval()
+    out = model.generate(torch.zeros(1, 3, dtype=torch.int64), 5, temperature=0)
+    assert out.shape == (1, 8)
+
+
+def test_mamba2_decay_init_and_range():
+    torch.manual_seed(0)
+    model = GPT(config("gated-deltanet", n_head=8, n_embd=32))  # GPT's init must leave A_log, dt_bias alone
+    attn = model.transformer.h[0].attn
+    A, dt = attn.A_log.exp(), F.softplus(attn.dt_bias)
+    assert ((A > 0) & (A <= 16)).all()
+    assert ((dt >= 1e-4 - 1e-9) & (dt <= 0.1 + 1e-6)).all()
+    ld = attn.log_decay(torch.randn(2, 5, 32))
+    assert ld.shape == (2, 5, 8) and (ld <= 0).all() and torch.isfinite(ld).all()
+    assert get_attention("deltanet")(config("deltanet")).log_decay(torch.randn(1, 2, 24)) is None
+    assert not hasattr(get_attention("deltanet")(config("deltanet")), "A_log")
+
+
+@pytest.mark.parametrize("opts, error, match", [
+    ({"form": "attention"}, ValueError, r"attention_options\['form'\] must be one of \['recurrent', 'chunked'\]"),
+    ({"chunk_size": 0}, ValueError, r"attention_options\['chunk_size'\] must be an int >= 1, got 0"),
+    ({"conv_size": -1}, ValueError, r"attention_options\['conv_size'\] must be an int >= 0, got -1"),
+    ({"conv_size": 2.5}, TypeError, r"attention_options\['conv_size'\] must be an int"),
+    ({"allow_neg_eigval": "yes"}, TypeError, r"attention_options\['allow_neg_eigval'\] must be a bool"),
+    ({"feature_map": "elu"}, ValueError, r"unknown attention_options \['feature_map'\] for '(gated-)?deltanet'"),
+])
+@pytest.mark.parametrize("attention", MECHS)
+def test_bad_options_raise_clearly(attention, opts, error, match):
+    with pytest.raises(error, match=match):
+        get_attention(attention)(config(attention, opts))
+
+
+@pytest.mark.parametrize("attention", MECHS)
+@pytest.mark.parametrize("n_kv_head, bias", [(None, True), (2, False)])
+def test_cost_terms(attention, n_kv_head, bias):
+    from lintrans.bench.cost import ModelShape, attention_core_flops, cache_bytes, parameters
+    from lintrans.experiments.models import state_floats
+
+    cfg = config(attention, n_layer=2, n_embd=32, n_kv_head=n_kv_head, bias=bias, vocab_size=50)
+    model = GPT(cfg)
+    shape = ModelShape.from_config(cfg)
+    assert parameters(shape)["total"] == sum(p.numel() for p in model.parameters())
+    # the cache the model keeps (float32) is what the cost model says, at any length
+    assert state_floats(model, 40) * 4 * 2 == cache_bytes(shape, 40) == cache_bytes(shape, 4000)
+    N, h = 4, 8
+    one = ModelShape(**{**shape.__dict__, "n_layer": 1})
+    rec = ModelShape(**{**one.__dict__, "attention_options": {"form": "recurrent"}})
+    assert attention_core_flops(rec, 100) == 6 * N * 100 * h * h
+    c = 64  # T = 100: one chunk of 64 and one of 36
+    per = lambda L: 10 * L * L * h + 6 * L * h * h + 2 * L ** 3 / 3  # noqa: E731
+    assert math.isclose(attention_core_flops(one, 100), N * (per(c) + per(36)))
+    assert math.isclose(attention_core_flops(one, 128, B=3), 3 * N * 2 * per(c))
+
+
+@pytest.mark.parametrize("attention", MECHS)
+def test_train_and_sample_from_the_cli(attention, tmp_path, capsys):
+    from lintrans.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train", "--config", "tiny", "--set", f"model.attention={attention}", "--set", "model.n_layer=1",
+               "--set", "model.n_embd=32", "--set", "model.block_size=32", "--set", "train.max_steps=2",
+               "--set", "train.batch_size=2", "--set", "train.eval_interval=2", "--set", "train.eval_batches=1",
+               "--set", "train.checkpoint_interval=2", "--set", f"train.out_dir={out}", "--set", "train.device=cpu"])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    rc = main(["sample", "--checkpoint", str(out / "checkpoint"), "--prompt", "def ", "--max-new-tokens", "40",
+               "--temperature", "0"])
+    assert rc == 0
+    assert capsys.readouterr().out.startswith("def ")
