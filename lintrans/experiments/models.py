@@ -53,7 +53,9 @@ def gpt_config(spec: str, *, linear_form: str = "chunked", **fields) -> GPTConfi
     from lintrans.nn.registry import get_attention
 
     name, options = parse_attention(spec)
-    if "form" in {f.name for f in dataclasses.fields(get_attention(name).Options)}:  # linear and its gated kin
+    form = {f.name: f for f in dataclasses.fields(get_attention(name).Options)}.get("form")
+    # linear and its gated kin; a mechanism whose forms are others (the delta rule's) keeps its default
+    if form is not None and linear_form in form.metadata.get("choices", (linear_form,)):
         options.setdefault("form", linear_form)
     config = GPTConfig(dropout=0.0, attention=name, attention_options=options, **fields)
     return config

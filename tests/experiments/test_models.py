@@ -30,6 +30,9 @@ def test_gpt_config_gives_linear_a_form_unless_the_spec_does():
     assert gpt_config("linear:elu", **fields).attention_options == {"feature_map": "elu", "form": "chunked"}
     assert gpt_config("linear:feature_map=elu,form=attention", **fields).attention_options["form"] == "attention"
     assert gpt_config("softmax", linear_form="attention", **fields).attention_options == {}
+    # the delta rule has forms of its own: a linear-attention form it lacks is not forced on it
+    assert gpt_config("deltanet", linear_form="attention", **fields).attention_options == {}
+    assert gpt_config("gated-deltanet", linear_form="recurrent", **fields).attention_options == {"form": "recurrent"}
 
 
 def test_check_specs_rejects_before_training():
@@ -51,6 +54,8 @@ def test_state_floats_per_layer():
     assert state_floats(GPT(gpt_config("linear:elu", **fields)), T) == H * D * (D + 1)  # S and z
     ring = state_floats(GPT(gpt_config("sliding-window:window=4", **fields)), T)
     assert 2 * 4 * 16 <= ring < 2 * T * 16
+    # the delta rule: S per head and the short convolution's last 3 inputs of q, k and v
+    assert state_floats(GPT(gpt_config("gated-deltanet", **fields)), T) == H * D * D + 3 * 3 * 16
 
 
 def test_vector_gpt_is_causal_and_shaped():
