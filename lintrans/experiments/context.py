@@ -7,15 +7,10 @@ tokens_per_update + 1 consecutive tokens of the training split (a seeded offset)
 T, so the contexts differ only in how the stream is cut. Held-out loss is measured on the first
 ``val_tokens`` of the validation split cut the same way, every ``eval_every`` updates.
 
-Budget of the default, from step times measured with one torch thread (6 updates of 2048 tokens,
-2 layers, width 64, on the shared 2-core machine): softmax 46 / 84 / 159 ms per update at
-T = 128 / 512 / 2048, linear:elu 50, linear:based 150-160, linear:rebased 135-175, sliding window
-70 ms at every T, retention 62-68 ms, gated-linear 67-88 ms. One update of every run of the study
-(sweep: 7 mechanisms x 3 rates at T=512; seeds: 7 x 3 contexts x 3 seeds, less the 7 seed-0 runs
-at T=512 the sweep already has: 77 runs) costs 2.0 s + 5.3 s = 7.3 s of one thread; with
-``--jobs 2`` (two runs at a time, one thread each) 600 updates take 600 x 7.3 / 2 = 2200 s, plus
-about 5% for the 11 evaluations of 16k held-out tokens per run: about 40 minutes, under 60 with
-room for a busy machine. Each run sees 600 x 2048 = 1.2M tokens.
+The default runs 77 runs (sweep: 7 mechanisms x 3 rates at T=512; seeds: 7 x 3 contexts x 3 seeds,
+less the 7 seed-0 runs at T=512 the sweep already has) of 600 updates each, so every run sees
+600 x 2048 = 1.2M tokens; it is sized to finish within an hour with ``--jobs 2`` on a 2-core CPU
+(docs/experiments.md).
 """
 from __future__ import annotations
 

@@ -16,12 +16,9 @@ Quality recovered = (L_unigram - L) / (L_unigram - L_teacher), where L_unigram i
 of predicting every byte from its training-split frequency (no context at all): 100% matches the
 teacher, 0% is no better than ignoring the context.
 
-Budget of the default, from probes with one torch thread on the busy 2-core machine: a teacher
-update (2 layers, width 128, 2048 tokens) takes 155 ms, a fine-tuning update 160 ms (hedgehog),
-220 ms (performer), 580 ms (based, 561 features a head) and about the teacher's for elu and
-softmax. Teachers: 3 sweep rates + 2 more seeds = 5 runs x 1500 updates = 1160 s; replaced models:
-5 maps x (3 rates + 2 seeds) = 25 runs, about 1600 s with their evaluations. With ``--jobs 2`` the
-four phases take about 8 + 4 + 8 + 5 = 25 minutes.
+The default: teachers of 2 layers, width 128, 3 sweep rates + 2 more seeds = 5 runs of 1500 updates;
+replaced models: 5 maps x (3 rates + 2 seeds) = 25 runs. It is sized to finish in well under an hour
+with ``--jobs 2`` on a 2-core CPU (docs/experiments.md).
 """
 from __future__ import annotations
 

@@ -11,13 +11,9 @@ embeddings (``pos_embedding="none"``), so every one runs at any length; the caus
 softmax the order, and one extra input (1 on y tokens, 0 on x tokens) tells the two kinds apart. Baselines on the same held-out data: least squares, averaging
 (w_hat = mean y_i x_i) and 3-nearest-neighbours.
 
-Budget of the default: 4 mechanisms x (3 rates + 3 seeds - 1) = 20 runs of 3000 steps of 64
-sequences. Probes with one torch thread on the busy 2-core machine: 65-69 ms a step for softmax and
-elu (2 layers, width 64, 11 points); based and ReBased (153 and 136 features a head) counted at
-twice that. One step of every run: 3 x (0.07 + 0.07 + 0.13 + 0.13) + 2 x 0.4 = 2.0 s of one
-thread, so 3000 steps take 6000 s, about 50 minutes with ``--jobs 2`` (evaluations add ~4%).
-In a probe, softmax at lr 1e-3 went from 1.0 to 0.63 mean held-out error (k <= 10) in 2000 steps,
-and without the y-token input it stayed at 1.0 for 1500 steps.
+The default: 4 mechanisms x (3 rates + 3 seeds - 1) = 20 runs of 3000 steps of 64 sequences (2
+layers, width 64), sized to finish within an hour with ``--jobs 2`` on a 2-core CPU
+(docs/experiments.md). The y-token input is needed: without it softmax did not learn in a probe.
 """
 from __future__ import annotations
 
