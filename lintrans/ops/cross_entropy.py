@@ -34,7 +34,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_grad else None
         # mean over the rows that count; an all-ignored batch gives nan, as F.cross_entropy does
         denom = count.to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=h.device)
-        # the logits chunk is kept transposed, [V, n]: W @ h^T runs faster than h @ W^T on CPU (docs/benchmarks.md)
+        # the logits chunk is kept transposed, [V, n]: W @ h^T runs faster than h @ W^T on CPU
         buf = torch.empty(weight.shape[0] * min(chunk_rows, N), dtype=acc, device=h.device)
         for s in range(0, N, chunk_rows):
             hs, ts, ks = h[s:s + chunk_rows], targets[s:s + chunk_rows], keep[s:s + chunk_rows]

@@ -148,7 +148,7 @@ class _Chunked(NamedTuple):
 
 
 # Tokens x heads per block on a CPU: a block's temporaries (a few MB) stay in cache and are reused
-# from the heap (docs/benchmarks.md, "The chunked form, block by block").
+# from the heap (docs/dev/chunked-kernel.md).
 BLOCK_TOKEN_HEADS = 8192
 # Calls of up to this many tokens x heads keep their blocks for backward instead of recomputing them
 KEEP_TOKEN_HEADS = 8192

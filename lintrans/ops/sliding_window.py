@@ -92,8 +92,7 @@ def _check_common(window, dilation, causal, scale):
 
 
 # Query rows per block of the causal fast path, and tokens x heads per group of blocks: a group's
-# scores and buffers (a few MB) stay in cache and are reused (docs/benchmarks.md, "The sliding
-# window, block by block")
+# scores and buffers (a few MB) stay in cache and are reused
 SW_BLOCK = 64
 SW_GROUP_TOKEN_HEADS = 8192
 

@@ -5,8 +5,7 @@ Why: on a CPU the chunked form's matmuls are small (a chunk by a head dimension)
 PyTorch each block of chunks costs ~60 kernels of element-wise work around them, each a parallel
 region that waits for every thread. A kernel that walks one head's chunks in a single thread, with
 the element-wise work fused into loops over data in cache and the matmuls as direct BLAS calls,
-runs one parallel region per call (over batch x heads). See docs/benchmarks.md ("Native kernels")
-and docs/native-kernels.md.
+runs one parallel region per call (over batch x heads). See docs/native-kernels.md.
 
 The library is compiled once per build key into ``$LINTRANS_NATIVE_DIR`` (default: ``native/`` in
 lintrans's cache directory, ``~/.cache/lintrans``), linked against torch's own BLAS
