@@ -97,13 +97,15 @@ def delta_rule(
         _check_state(initial_state, B, H, Dk, Dv, q.device, "initial_state")
     dtype = compute_dtype(q.dtype)
     with autocast_off(q.device):
-        qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
         S0 = (torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device) if initial_state is None
               else initial_state.to(dtype))
-        if form == "chunked" and _native_enabled and native_delta.supports(qs, ks, v.to(dtype), beta.to(dtype), None):
+        if form == "chunked" and _native_enabled and q.device.type == "cpu" and native_delta.supports(
+                *(x.to(dtype) for x in (q, k, v, beta)), None):
             ld = None if log_decay is None else log_decay.to(dtype)
-            o, S = _chunked_form.native_chunked(qs, ks, v.to(dtype), beta.to(dtype), ld, S0, chunk_size)
+            o, S = _chunked_form.native_chunked(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), ld, S0,
+                                                chunk_size, l2_normalize, Dk**-0.5 if scale is None else scale)
             return o.to(q.dtype), (S if output_final_state else None)
+        qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
         qs, ks, vs = (x.transpose(1, 2) for x in (qs, ks, v.to(dtype)))  # [B,H,T,D]
         bs = beta.to(dtype).transpose(1, 2)
         ld = None if log_decay is None else _log_decay_head_first(log_decay, B, T, H, dtype)

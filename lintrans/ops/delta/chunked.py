@@ -160,13 +160,14 @@ def chunked(q, k, v, beta, log_decay, S0, chunk: int):
 
 class _Native(torch.autograd.Function):
     """The same chunked form by the fused CPU kernel (lintrans/ops/native/delta_rule.cpp), on [B, T, H, *]
-    tensors as they come: q (normalised and scaled), k, v, beta [B, T, H], ld [B|1, T, H] or None, S0."""
+    tensors as they come: q, k (L2-normalised by the kernel with ``l2``, q then scaled), v, beta [B, T, H],
+    ld [B|1, T, H] or None, S0."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, ld, S0, chunk):
-        o, states, S = native_delta.forward(q, k, v, beta, ld, S0, chunk)
+    def forward(ctx, q, k, v, beta, ld, S0, chunk, l2, scale):
+        o, states, S = native_delta.forward(q, k, v, beta, ld, S0, chunk, l2, scale)
         ctx.save_for_backward(q, k, v, beta, ld, states)
-        ctx.chunk = chunk
+        ctx.args = chunk, l2, scale
         return o, S
 
     @staticmethod
@@ -175,15 +176,15 @@ class _Native(torch.autograd.Function):
         q, k, v, beta, ld, states = ctx.saved_tensors
         if dS_end is None:
             dS_end = q.new_zeros(states.shape[0], states.shape[1], *states.shape[3:])
-        dq, dk, dv, dbeta, dld, dS0 = native_delta.backward(q, k, v, beta, ld, states, do, dS_end, ctx.chunk)
-        return dq, dk, dv, dbeta, dld, dS0, None
+        dq, dk, dv, dbeta, dld, dS0 = native_delta.backward(q, k, v, beta, ld, states, do, dS_end, *ctx.args)
+        return dq, dk, dv, dbeta, dld, dS0, None, None, None
 
 
-def native_chunked(q, k, v, beta, log_decay, S0, chunk: int):
+def native_chunked(q, k, v, beta, log_decay, S0, chunk: int, l2: bool, scale: float):
     """The fused kernel on [B, T, H, *] tensors in float32/float64 (see ``_Native``); log_decay
     [B, T, H], [H] or None. Returns (o [B, T, H, Dv], S [B, H, Dk, Dv])."""
     B, T, H, _ = q.shape
     ld = log_decay
     if ld is not None and ld.dim() == 1:
         ld = ld[None, None, :].expand(1, T, H)
-    return _Native.apply(q, k, v, beta, ld, S0, min(chunk, T))
+    return _Native.apply(q, k, v, beta, ld, S0, min(chunk, T), l2, scale)

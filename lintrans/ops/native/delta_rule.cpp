@@ -5,7 +5,7 @@
 // Per chunk of cl tokens (rows gathered into contiguous buffers), with S the state entering it,
 // b the in-chunk cumulative log-decays (double), E_ij = exp(b_i - b_j) (j <= i), Gam_i = exp(b_i),
 // kap_j = exp(b_last - b_j), gam = exp(b_last):
-//   A = strict_lower(beta_i (k_i . k_j) E_ij);  [W | U~] = (I + A)^-1 [beta Gam k | beta v]  (trsm)
+//   A = strict_lower(beta_i (k_i . k_j) E_ij);  [W | U~] = (I + A)^-1 [beta Gam k | beta v]
 //   U = U~ - W S;  o = (lower(q k^T) * E) U + (Gam q) S;  S <- gam S + (kap k)^T U
 // Forward saves the state entering every chunk; backward walks the chunks in reverse, recomputing
 // each chunk's solve, and carries dS, the gradient reaching the state after the chunk.
@@ -19,13 +19,7 @@
 
 #include "cpu_kernels.h"
 #include "simd_math.h"
-
-extern "C" {
-void strsm_(const char*, const char*, const char*, const char*, const int*, const int*, const float*, const float*,
-            const int*, float*, const int*);
-void dtrsm_(const char*, const char*, const char*, const char*, const int*, const int*, const double*,
-            const double*, const int*, double*, const int*);
-}
+#include "tril_products.h"
 
 // Field for field the ctypes.Structure DeltaArgs in lintrans/ops/native/delta_rule.py.
 struct DeltaArgs {
@@ -35,7 +29,8 @@ struct DeltaArgs {
   void *dq, *dk, *dv, *dbeta, *dld, *dS0;  // dq, dk [B, T, H, Dk], dv [B, T, H, Dv], dbeta, dld [B, T, H]
   int64_t B, T, H, Dk, Dv;
   int64_t sq[3], sk[3], sv[3], sbeta[3], sld[3], sdo[3];  // strides of B, T, H (the last dimension's is 1)
-  int64_t chunk, threads;
+  int64_t chunk, l2, threads;  // l2: q and k are L2-normalised here (x / sqrt(x.x + 1e-6))
+  double scale;                 // q's scale, after the normalisation
 };
 LINTRANS_EXPORT_SIZEOF(DeltaArgs)
 
@@ -44,34 +39,36 @@ namespace {
 using namespace lintrans_cpu;
 using namespace lintrans_simd;
 
-inline void trsm(const char* side, const char* uplo, const char* ta, const char* diag, const int* m, const int* n,
-                 const float* al, const float* a, const int* lda, float* b, const int* ldb) {
-  strsm_(side, uplo, ta, diag, m, n, al, a, lda, b, ldb);
-}
-inline void trsm(const char* side, const char* uplo, const char* ta, const char* diag, const int* m, const int* n,
-                 const double* al, const double* a, const int* lda, double* b, const int* ldb) {
-  dtrsm_(side, uplo, ta, diag, m, n, al, a, lda, b, ldb);
-}
-
-// Row-major X [cl, n] (row stride ldx) <- (I + A)^-1 X, or (I + A)^-T X with `transposed`; A strictly
-// lower [cl, cl] (row stride lda; its diagonal is not read). BLAS is column-major: there X is X^T and
-// A is A^T (upper), so the solve is X^T (I + A)^T = R^T from the right.
+// Ti [cl, cl] (row stride c) = (I + A)^-1 for A strictly lower (row stride c), by forward substitution:
+// row i of the inverse is e_i - sum_{j<i} A_ij (row j), and row j is zero right of column j. One inverse
+// then serves forward's solve and backward's transposed solve as plain products, which BLAS runs
+// faster than its triangular solves at this size.
 template <typename T>
-void unit_lower_solve(bool transposed, int cl, int n, const T* A, int lda, T* X, int ldx) {
-  const T one = 1;
-  trsm("R", "U", transposed ? "T" : "N", "U", &n, &cl, &one, A, &lda, X, &ldx);
+void unit_lower_inverse(int64_t cl, int64_t c, const T* A, T* Ti) {
+  for (int64_t i = 0; i < cl; ++i) {
+    T* __restrict ti = Ti + i * c;
+    std::fill(ti, ti + cl, T(0));
+    ti[i] = T(1);
+    for (int64_t j = 0; j < i; ++j) {
+      const T aij = A[i * c + j];
+      const T* __restrict tj = Ti + j * c;
+#pragma omp simd
+      for (int64_t l = 0; l <= j; ++l) ti[l] -= aij * tj[l];
+    }
+  }
 }
 
 template <typename T>
 struct Work {
   int64_t c, Dk, Dv;
-  std::vector<T> q, k, v, beta, Gam, kap, E, A, Kk, P, X, U, kh, qG;
+  std::vector<T> q, k, v, beta, Gam, kap, E, A, Ti, Kk, P, R, X, U, kh, qG;
+  std::vector<T> rq, rk;  // each row's 1 / sqrt(x.x + 1e-6) with l2 (backward maps gradients through it)
   std::vector<double> b;
   // backward
   std::vector<T> dO, dU, dP, dR, dq, dk, dv, dbeta, dSn, dqi, dkh, db;
   Work(int64_t c, int64_t Dk, int64_t Dv, bool backward)
       : c(c), Dk(Dk), Dv(Dv), q(c * Dk), k(c * Dk), v(c * Dv), beta(c), Gam(c), kap(c), E(c * c), A(c * c),
-        Kk(c * c), P(c * c), X(c * (Dk + Dv)), U(c * Dv), kh(c * Dk), qG(c * Dk), b(c) {
+        Ti(c * c), Kk(c * c), P(c * c), R(c * (Dk + Dv)), X(c * (Dk + Dv)), U(c * Dv), kh(c * Dk), qG(c * Dk), rq(c), rk(c), b(c) {
     if (!backward) return;
     for (auto* x : {&dO, &dU}) x->resize(c * Dv);
     for (auto* x : {&dP}) x->resize(c * c);
@@ -89,14 +86,47 @@ inline const T* row(const void* base, const int64_t* s, int64_t b, int64_t t, in
   return static_cast<const T*>(base) + b * s[0] + t * s[1] + h * s[2];
 }
 
+// y = s x / sqrt(x.x + 1e-6) with l2 (r = the 1 / sqrt), else y = s x
+template <typename T>
+inline void load_row(const T* x, T* y, int64_t n, int64_t l2, T s, T& r) {
+  T ss = 0;
+  if (l2) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
+    r = T(1) / std::sqrt(ss + T(1e-6));
+  } else {
+    r = T(1);
+  }
+  const T m = s * r;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] = m * x[j];
+}
+
+// dx from dy for y = s x r (load_row): with l2, s r (dy - u (u . dy)), u = x r; else s dy
+template <typename T>
+inline void unload_grad(const T* x, const T* dy, T* dx, int64_t n, int64_t l2, T s, T r) {
+  if (!l2) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dx[j] = s * dy[j];
+    return;
+  }
+  T d = 0;
+#pragma omp simd reduction(+ : d)
+  for (int64_t j = 0; j < n; ++j) d += x[j] * dy[j];
+  const T sr = s * r, c = sr * r * r * d;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dx[j] = sr * dy[j] - c * x[j];
+}
+
 // Gather the chunk's rows and build everything of it that does not depend on the state:
 // b, E, Gam, kap, A (with Kk), [W | U~] in X, kh = kap k, qG = Gam q, P = lower(q k^T) E.
 template <typename T>
 void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_t t0, int64_t cl, bool gated) {
   const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c, n = Dk + Dv;
+  const T scale = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
-    std::memcpy(&w.q[i * Dk], row<T>(a.q, a.sq, bi, t0 + i, h), Dk * sizeof(T));
-    std::memcpy(&w.k[i * Dk], row<T>(a.k, a.sk, bi, t0 + i, h), Dk * sizeof(T));
+    load_row(row<T>(a.q, a.sq, bi, t0 + i, h), &w.q[i * Dk], Dk, a.l2, scale, w.rq[i]);
+    load_row(row<T>(a.k, a.sk, bi, t0 + i, h), &w.k[i * Dk], Dk, a.l2, T(1), w.rk[i]);
     std::memcpy(&w.v[i * Dv], row<T>(a.v, a.sv, bi, t0 + i, h), Dv * sizeof(T));
     w.beta[i] = *row<T>(a.beta, a.sbeta, bi, t0 + i, h);
   }
@@ -116,7 +146,7 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
     }
   }
   // Kk = k k^T (lower part used), then A = strict_lower(beta_i Kk E)
-  gemm<T>(false, true, cl, cl, Dk, w.k.data(), Dk, w.k.data(), Dk, 0, w.Kk.data(), c);
+  tril_of_product<T>(cl, Dk, w.k.data(), Dk, w.k.data(), Dk, w.Kk.data(), c);
   for (int64_t i = 0; i < cl; ++i) {
     const T bi_ = w.beta[i];
     T* Ai = &w.A[i * c];
@@ -130,17 +160,18 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
       for (int64_t j = 0; j < i; ++j) Ai[j] = bi_ * Ki[j];
     }
   }
-  // X = [beta Gam k | beta v], solved in place
+  // X = (I + A)^-1 [beta Gam k | beta v]
   for (int64_t i = 0; i < cl; ++i) {
     const T bk = w.beta[i] * (gated ? w.Gam[i] : T(1)), bv = w.beta[i];
-    T* Xi = &w.X[i * n];
+    T* Xi = &w.R[i * n];
     const T *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
 #pragma omp simd
     for (int64_t j = 0; j < Dk; ++j) Xi[j] = bk * ki[j];
 #pragma omp simd
     for (int64_t j = 0; j < Dv; ++j) Xi[Dk + j] = bv * vi[j];
   }
-  unit_lower_solve<T>(false, int(cl), int(n), w.A.data(), int(c), w.X.data(), int(n));
+  unit_lower_inverse<T>(cl, c, w.A.data(), w.Ti.data());
+  tril_times<T>(cl, n, w.Ti.data(), c, w.R.data(), n, 0, w.X.data(), n);
   // kh = kap k, qG = Gam q
   for (int64_t i = 0; i < cl; ++i) {
     const T ka = gated ? w.kap[i] : T(1), ga = gated ? w.Gam[i] : T(1);
@@ -151,7 +182,7 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
     }
   }
   // P = lower(q k^T) * E (entries above the diagonal zeroed)
-  gemm<T>(false, true, cl, cl, Dk, w.q.data(), Dk, w.k.data(), Dk, 0, w.P.data(), c);
+  tril_of_product<T>(cl, Dk, w.q.data(), Dk, w.k.data(), Dk, w.P.data(), c);
   for (int64_t i = 0; i < cl; ++i) {
     T* Pi = &w.P[i * c];
     if (gated) {
@@ -204,7 +235,7 @@ int forward(const DeltaArgs& a) {
         prepare_chunk(a, w, bi, h, t0, cl, gated);
         values_written(w, cl, S.data());
         // o = P U + qG S
-        gemm<T>(false, false, cl, Dv, cl, w.P.data(), c, w.U.data(), Dv, 0, o.data(), Dv);
+        tril_times<T>(cl, Dv, w.P.data(), c, w.U.data(), Dv, 0, o.data(), Dv);
         gemm<T>(false, false, cl, Dv, Dk, w.qG.data(), Dk, S.data(), Dv, 1, o.data(), Dv);
         T* out = static_cast<T*>(a.o) + ((bi * a.T + t0) * a.H + h) * Dv;
         for (int64_t i = 0; i < cl; ++i) std::memcpy(out + i * a.H * Dv, &o[i * Dv], Dv * sizeof(T));
@@ -238,7 +269,7 @@ int backward(const DeltaArgs& a) {
         for (int64_t i = 0; i < cl; ++i)
           std::memcpy(&w.dO[i * Dv], row<T>(a.dout, a.sdo, bi, t0 + i, h), Dv * sizeof(T));
         // dU = P^T dO + kh dS
-        gemm<T>(true, false, cl, Dv, cl, w.P.data(), c, w.dO.data(), Dv, 0, w.dU.data(), Dv);
+        tril_t_times<T>(cl, Dv, w.P.data(), c, w.dO.data(), Dv, 0, w.dU.data(), Dv);
         gemm<T>(false, false, cl, Dv, Dk, w.kh.data(), Dk, dS.data(), Dv, 1, w.dU.data(), Dv);
         // dS_n = qG^T dO + gam dS - W^T dU (dS itself still needed below: build it aside)
         const T gam = gated ? T(std::exp(w.b[cl - 1])) : T(1);
@@ -246,7 +277,7 @@ int backward(const DeltaArgs& a) {
         gemm<T>(true, false, Dk, Dv, cl, w.qG.data(), Dk, w.dO.data(), Dv, gam, w.dSn.data(), Dv);
         gemm<T>(true, false, Dk, Dv, cl, T(-1), w.X.data(), n, w.dU.data(), Dv, 1, w.dSn.data(), Dv);
         // dP = lower(dO U^T); dq = (dP E) k + Gam (dO S^T); dk = (dP E)^T q
-        gemm<T>(false, true, cl, cl, Dv, w.dO.data(), Dv, w.U.data(), Dv, 0, w.dP.data(), c);
+        tril_of_product<T>(cl, Dv, w.dO.data(), Dv, w.U.data(), Dv, w.dP.data(), c);
         gemm<T>(false, true, cl, Dk, Dv, w.dO.data(), Dv, S, Dv, 0, w.dqi.data(), Dk);  // d(qG)
         std::fill(w.db.begin(), w.db.begin() + cl, T(0));
         for (int64_t i = 0; i < cl; ++i) {
@@ -264,8 +295,8 @@ int backward(const DeltaArgs& a) {
             w.db[i] += zs;
           }
         }
-        gemm<T>(false, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 0, w.dq.data(), Dk);
-        gemm<T>(true, false, cl, Dk, cl, w.dP.data(), c, w.q.data(), Dk, 0, w.dk.data(), Dk);
+        tril_times<T>(cl, Dk, w.dP.data(), c, w.k.data(), Dk, 0, w.dq.data(), Dk);
+        tril_t_times<T>(cl, Dk, w.dP.data(), c, w.q.data(), Dk, 0, w.dk.data(), Dk);
         for (int64_t i = 0; i < cl; ++i) {
           const T g = gated ? w.Gam[i] : T(1);
           T dot = 0;
@@ -277,11 +308,11 @@ int backward(const DeltaArgs& a) {
           if (gated) w.db[i] += dot;
         }
         // dR = (I + A)^-T [-dU S^T | dU]
-        gemm<T>(false, true, cl, Dk, Dv, T(-1), w.dU.data(), Dv, S, Dv, 0, w.dR.data(), n);
-        for (int64_t i = 0; i < cl; ++i) std::memcpy(&w.dR[i * n + Dk], &w.dU[i * Dv], Dv * sizeof(T));
-        unit_lower_solve<T>(true, int(cl), int(n), w.A.data(), int(c), w.dR.data(), int(n));
+        gemm<T>(false, true, cl, Dk, Dv, T(-1), w.dU.data(), Dv, S, Dv, 0, w.R.data(), n);
+        for (int64_t i = 0; i < cl; ++i) std::memcpy(&w.R[i * n + Dk], &w.dU[i * Dv], Dv * sizeof(T));
+        tril_t_times<T>(cl, n, w.Ti.data(), c, w.R.data(), n, 0, w.dR.data(), n);
         // dA = -strict_lower(dRw W^T + dRu U~^T) = -strict_lower(dR X^T), into dP's place
-        gemm<T>(false, true, cl, cl, n, T(-1), w.dR.data(), n, w.X.data(), n, 0, w.dP.data(), c);
+        tril_of_product<T>(cl, n, w.dR.data(), n, w.X.data(), n, w.dP.data(), c);  // -dA
         for (int64_t i = 0; i < cl; ++i) {
           const T bi_ = w.beta[i];
           const T *dRw = &w.dR[i * n], *dRu = &w.dR[i * n + Dk], *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
@@ -297,6 +328,8 @@ int backward(const DeltaArgs& a) {
           for (int64_t j = 0; j < Dv; ++j) w.dv[i * Dv + j] = bi_ * dRu[j];
           T* dAi = &w.dP[i * c];
           const T* Ki = &w.Kk[i * c];
+#pragma omp simd
+          for (int64_t j = 0; j < i; ++j) dAi[j] = -dAi[j];
           T dbA = 0;
           if (gated) {
             const T* Ei = &w.E[i * c];
@@ -320,9 +353,10 @@ int backward(const DeltaArgs& a) {
           std::fill(dAi + i, dAi + cl, T(0));
           w.dbeta[i] = g * rw + ru + dbA;
         }
-        // dk += (dKk + dKk^T) k
+        // dk += (dKk + dKk^T) k, one product with the symmetric sum
+        for (int64_t i = 0; i < cl; ++i)
+          for (int64_t j = 0; j < i; ++j) w.dP[j * c + i] = w.dP[i * c + j];
         gemm<T>(false, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 1, w.dk.data(), Dk);
-        gemm<T>(true, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 1, w.dk.data(), Dk);
         // the state's update: dkh = U dS^T; dk += kap dkh; b's share through kap and gam
         gemm<T>(false, true, cl, Dk, Dv, w.U.data(), Dv, dS.data(), Dv, 0, w.dkh.data(), Dk);
         T ysum = 0;
@@ -349,8 +383,10 @@ int backward(const DeltaArgs& a) {
         T acc = 0;
         for (int64_t i = cl - 1; i >= 0; --i) {
           const int64_t t = t0 + i, o = ((bi * a.T + t) * a.H + h);
-          std::memcpy(static_cast<T*>(a.dq) + o * Dk, &w.dq[i * Dk], Dk * sizeof(T));
-          std::memcpy(static_cast<T*>(a.dk) + o * Dk, &w.dk[i * Dk], Dk * sizeof(T));
+          unload_grad(row<T>(a.q, a.sq, bi, t, h), &w.dq[i * Dk], static_cast<T*>(a.dq) + o * Dk, Dk, a.l2,
+                      T(a.scale), w.rq[i]);
+          unload_grad(row<T>(a.k, a.sk, bi, t, h), &w.dk[i * Dk], static_cast<T*>(a.dk) + o * Dk, Dk, a.l2, T(1),
+                      w.rk[i]);
           std::memcpy(static_cast<T*>(a.dv) + o * Dv, &w.dv[i * Dv], Dv * sizeof(T));
           static_cast<T*>(a.dbeta)[o] = w.dbeta[i];
           if (gated) static_cast<T*>(a.dld)[o] = acc += w.db[i];

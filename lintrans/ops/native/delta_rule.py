@@ -13,7 +13,7 @@ class DeltaArgs(ctypes.Structure):
                                   "dq", "dk", "dv", "dbeta", "dld", "dS0")] + \
                [(n, ctypes.c_int64) for n in ("B", "T", "H", "Dk", "Dv")] + \
                [(n, I3) for n in ("sq", "sk", "sv", "sbeta", "sld", "sdo")] + \
-               [(n, ctypes.c_int64) for n in ("chunk", "threads")]
+               [(n, ctypes.c_int64) for n in ("chunk", "l2", "threads")] + [("scale", ctypes.c_double)]
 
 
 def supports(q, k, v, beta, ld) -> bool:
@@ -27,7 +27,7 @@ def _strides3(x: torch.Tensor):
     return I3(0 if x.shape[0] == 1 else s[0], s[1], s[2])
 
 
-def _args(q, k, v, beta, ld, chunk: int) -> DeltaArgs:
+def _args(q, k, v, beta, ld, chunk: int, l2: bool, scale: float) -> DeltaArgs:
     require(q.dim() == 4 and k.shape == q.shape, f"q and k must be [B, T, H, Dk] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
     require(v.dim() == 4 and v.shape[:3] == q.shape[:3], f"v must be [B, T, H, Dv] with q's B, T, H, got {tuple(v.shape)}")
     B, T, H, Dk = q.shape
@@ -43,7 +43,7 @@ def _args(q, k, v, beta, ld, chunk: int) -> DeltaArgs:
     a.sq, a.sk, a.sv, a.sbeta = strides(q), strides(k), strides(v), _strides3(beta)
     if ld is not None:
         a.sld = _strides3(ld)
-    a.chunk, a.threads = chunk, torch.get_num_threads()
+    a.chunk, a.l2, a.scale, a.threads = chunk, int(l2), float(scale), torch.get_num_threads()
     return a
 
 
@@ -54,11 +54,11 @@ def _states_shape(q, v, chunk):
 
 # torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break)
 @torch.compiler.disable
-def forward(q, k, v, beta, ld, S0, chunk: int):
-    """q (prepared: normalised and scaled), k [B, T, H, Dk], v [B, T, H, Dv], beta [B, T, H], ld
+def forward(q, k, v, beta, ld, S0, chunk: int, l2: bool, scale: float):
+    """q, k [B, T, H, Dk] (L2-normalised here with ``l2``; q then times ``scale``), v [B, T, H, Dv], beta [B, T, H], ld
     [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], states [B, H, nck, Dk, Dv], S_end)."""
     q, k, v = map(last_contiguous, (q, k, v))
-    a = _args(q, k, v, beta, ld, chunk)
+    a = _args(q, k, v, beta, ld, chunk, l2, scale)
     B, T, H, Dk = q.shape
     S0 = S0.contiguous()
     require(S0.shape == (B, H, Dk, v.shape[-1]) and S0.dtype == q.dtype, f"S0 must be [B, H, Dk, Dv], got {tuple(S0.shape)}")
@@ -71,10 +71,10 @@ def forward(q, k, v, beta, ld, S0, chunk: int):
 
 
 @torch.compiler.disable
-def backward(q, k, v, beta, ld, states, do, dS_end, chunk: int):
+def backward(q, k, v, beta, ld, states, do, dS_end, chunk: int, l2: bool, scale: float):
     """(dq, dk, dv, dbeta, dld or None, dS0), dld [B|1, T, H] as ld."""
     q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
-    a = _args(q, k, v, beta, ld, chunk)
+    a = _args(q, k, v, beta, ld, chunk, l2, scale)
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")

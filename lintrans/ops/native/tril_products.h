@@ -1,0 +1,42 @@
+// Products with a causal (lower triangular) [cl, cl] matrix, shared by the chunked kernels
+// (chunked.cpp, delta_rule.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_kernels.h"
+
+namespace lintrans_cpu {
+
+// The in-chunk products with a causal [cl, cl] matrix L, in two row blocks split at h: the upper right
+// block of L (rows < h, columns >= h) is zero, so the products skip it, a quarter of their work
+// (BLAS at 32 rows runs nearly as fast per FLOP as at 64). Chunks under 32 rows go whole.
+inline int64_t split_of(int64_t cl) { return cl >= 32 ? cl / 2 : 0; }
+
+// L [cl, cl] (row stride ldl) = lower part of X Y^T (X, Y [cl, K]); entries above the h-split diagonal
+// block are left as they were (callers zero everything above the diagonal)
+template <typename T>
+void tril_of_product(int64_t cl, int64_t K, const T* X, int64_t ldx, const T* Y, int64_t ldy, T* L, int64_t ldl) {
+  const int64_t h = split_of(cl);
+  if (h) gemm<T>(false, true, h, h, K, X, ldx, Y, ldy, 0, L, ldl);
+  gemm<T>(false, true, cl - h, cl, K, X + h * ldx, ldx, Y, ldy, 0, L + h * ldl, ldl);
+}
+
+// C [cl, N] = L B + beta C, L causal [cl, cl]
+template <typename T>
+void tril_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  const int64_t h = split_of(cl);
+  if (h) gemm<T>(false, false, h, N, h, L, ldl, B, ldb, beta, C, ldc);
+  gemm<T>(false, false, cl - h, N, cl, L + h * ldl, ldl, B, ldb, beta, C + h * ldc, ldc);
+}
+
+// C [cl, N] = L^T B + beta C, L causal [cl, cl]: rows >= h of C take only L's rows >= h
+template <typename T>
+void tril_t_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int64_t ldb, T beta, T* C,
+                  int64_t ldc) {
+  const int64_t h = split_of(cl);
+  if (h) gemm<T>(true, false, h, N, cl, L, ldl, B, ldb, beta, C, ldc);
+  gemm<T>(true, false, cl - h, N, cl - h, L + h * ldl + h, ldl, B + h * ldb, ldb, beta, C + h * ldc, ldc);
+}
+
+}  // namespace lintrans_cpu
