@@ -51,6 +51,7 @@ namespace {
 
 using A = double;  // what is carried along T
 
+using lintrans_cpu::Buf;
 using lintrans_cpu::Status;
 
 using lintrans_simd::vexp;
@@ -134,8 +135,8 @@ inline void forward_step(int64_t n, const T* q, const T* k, const T* v, T* M, A*
 // exactly), N', D'
 template <typename T>
 struct Carry {
-  std::vector<T> M;
-  std::vector<A> N, Dn;
+  Buf<T> M;
+  Buf<A> N, Dn;
   explicit Carry(int64_t n) : M(n), N(n), Dn(n) { reset(); }
 
   // before the first step: empty sums, and a reference below any key, so that the first finite key
@@ -196,8 +197,8 @@ int backward(const AftArgs& a) {
     const std::vector<Tile> tiles = thread_tiles(a);
     const int64_t n = channels(tiles), E = a.every;
     Carry<T> s(n);
-    std::vector<A> r(E * n), ea(E * n), c(E * n);         // a stretch's r, a and c, step by step
-    std::vector<A> Rc(n, A(0)), Qc(n, A(0)), Cn(n, A(0));  // per channel: R', Q' and c of the step after
+    Buf<A> r(E * n), ea(E * n), c(E * n);              // a stretch's r, a and c, step by step
+    Buf<A> Rc(n, A(0)), Qc(n, A(0)), Cn(n, A(0));  // per channel: R', Q' and c of the step after
     T *dq = static_cast<T*>(a.dq), *dk = static_cast<T*>(a.dk), *dv = static_cast<T*>(a.dv);
     for (int64_t p = (a.T - 1) / E; p >= 0; --p) {
       const int64_t t0 = p * E, t1 = std::min(a.T, t0 + E);

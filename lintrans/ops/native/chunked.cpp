@@ -22,6 +22,7 @@
 
 #include "cpu_kernels.h"
 #include "simd_math.h"
+#include "tril_products.h"
 
 namespace {
 
@@ -113,37 +114,6 @@ inline void column_sums(const T* x, int64_t m, int64_t n, int64_t ld, T* out, co
   }
 }
 
-// The in-chunk products with a causal [cl, cl] matrix L, in two row blocks split at h: the upper right
-// block of L (rows < h, columns >= h) is zero, so the products skip it, a quarter of their work
-// (BLAS at 32 rows runs nearly as fast per FLOP as at 64). Chunks under 32 rows go whole.
-inline int64_t split_of(int64_t cl) { return cl >= 32 ? cl / 2 : 0; }
-
-// L [cl, cl] (row stride ldl) = lower part of X Y^T (X, Y [cl, K]); entries above the h-split diagonal
-// block are left as they were (callers zero everything above the diagonal)
-template <typename T>
-void tril_of_product(int64_t cl, int64_t K, const T* X, int64_t ldx, const T* Y, int64_t ldy, T* L, int64_t ldl) {
-  const int64_t h = split_of(cl);
-  if (h) gemm<T>(false, true, h, h, K, X, ldx, Y, ldy, 0, L, ldl);
-  gemm<T>(false, true, cl - h, cl, K, X + h * ldx, ldx, Y, ldy, 0, L + h * ldl, ldl);
-}
-
-// C [cl, N] = L B + beta C, L causal [cl, cl]
-template <typename T>
-void tril_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
-  const int64_t h = split_of(cl);
-  if (h) gemm<T>(false, false, h, N, h, L, ldl, B, ldb, beta, C, ldc);
-  gemm<T>(false, false, cl - h, N, cl, L + h * ldl, ldl, B, ldb, beta, C + h * ldc, ldc);
-}
-
-// C [cl, N] = L^T B + beta C, L causal [cl, cl]: rows >= h of C take only L's rows >= h
-template <typename T>
-void tril_t_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int64_t ldb, T beta, T* C,
-                  int64_t ldc) {
-  const int64_t h = split_of(cl);
-  if (h) gemm<T>(true, false, h, N, cl, L, ldl, B, ldb, beta, C, ldc);
-  gemm<T>(true, false, cl - h, N, cl - h, L + h * ldl + h, ldl, B + h * ldb, ldb, beta, C + h * ldc, ldc);
-}
-
 // The end of a row's masked loop over 0 .. i, rounded up to whole vectors (of up to 16) where the row
 // has the room: columns past i are zeroed after the loop, so a vector loop with no scalar remainder
 // (one libm call per element) may compute them too.
@@ -155,7 +125,7 @@ inline int64_t whole_vectors(int64_t i, int64_t n) { return std::min(n, (i + 16)
 template <typename T>
 struct Chunk {
   int64_t c, F, E;
-  std::vector<T> fq, fk, vb, bc, eb, el;
+  Buf<T> fq, fk, vb, bc, eb, el;
   Chunk(int64_t c, int64_t F, int64_t E)
       : c(c), F(F), E(E), fq(c * F), fk(c * F), vb(c * E), bc(c), eb(c), el(c) {}
 
@@ -231,7 +201,7 @@ struct Chunk {
 
 template <typename T>
 struct Buffers {
-  std::vector<T> A, dA, y, dq, dk, dv, kd, z;
+  Buf<T> A, dA, y, dq, dk, dv, kd, z;
   Buffers(int64_t c, int64_t F, int64_t E)
       : A(c * c), dA(c * c), y(c * E), dq(c * F), dk(c * F), dv(c * E), kd(c * F), z(F) {}
 };
@@ -297,7 +267,7 @@ int forward(const ChunkedArgs& a) {
     const HeadRange r(a.B * a.H);
     Buffers<T> w(c, F, E);
     Chunk<T> ch(c, F, E);
-    std::vector<T> S((r.hi - r.lo) * FE);  // each head's state
+    Buf<T> S((r.hi - r.lo) * FE);  // each head's state
     std::memcpy(S.data(), static_cast<const T*>(a.S0) + r.lo * FE, S.size() * sizeof(T));
     for (int64_t m = 0; m < nck; ++m) {
       const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
@@ -425,7 +395,7 @@ int backward(const ChunkedArgs& a) {
     const HeadRange r(a.B * a.H);
     const int64_t nh = r.hi - r.lo;
     Buffers<T> w(c, F, E);
-    std::vector<T> X(nh * (a.ckpt + 1) * FE), dS(nh * FE);  // per head: the states of a stretch; dS
+    Buf<T> X(nh * (a.ckpt + 1) * FE), dS(nh * FE);  // per head: the states of a stretch; dS
     // per head, the loaded chunks of a stretch: read and mapped once, for both of its passes
     std::vector<Chunk<T>> held(nh * a.ckpt, Chunk<T>(c, F, E));
     std::memcpy(dS.data(), static_cast<const T*>(a.dS_end) + r.lo * FE, dS.size() * sizeof(T));

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
@@ -73,6 +74,24 @@ struct Status {
 };
 
 constexpr double kLog2e = 1.4426950408889634;
+
+// Buffers on 64-byte boundaries: a vector loop over a buffer's rows then needs no scalar iterations to
+// reach an aligned address (with a libm call in the loop, each would be a scalar call)
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <typename T>
+using Buf = std::vector<T, Aligned64<T>>;
 
 inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* al,
                       const float* a, const int* lda, const float* b, const int* ldb, const float* be, float* c,

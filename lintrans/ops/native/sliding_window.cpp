@@ -74,7 +74,7 @@ int forward(const SlidingWindowArgs& a) {
   status.run([&] {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
-    std::vector<T> S(C * Lmax), inv(C);
+    Buf<T> S(C * Lmax), inv(C);
     for (int64_t t0 = 0; t0 < a.T; t0 += C) {
       for (int64_t bh = r.lo; bh < r.hi; ++bh) {
         const Block<T> blk(a, bh, t0);
@@ -124,7 +124,7 @@ int backward(const SlidingWindowArgs& a) {
   status.run([&] {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
-    std::vector<T> P(C * Lmax), dP(C * Lmax);
+    Buf<T> P(C * Lmax), dP(C * Lmax);
     for (int64_t t0 = 0; t0 < a.T; t0 += C) {
       for (int64_t bh = r.lo; bh < r.hi; ++bh) {
         const Block<T> blk(a, bh, t0);
