@@ -24,6 +24,23 @@ SHAPES = [
 ]
 
 
+@pytest.fixture(params=["recurrent", "chunked", "chunked-torch"])
+def form(request, monkeypatch):
+    """Every form; the chunked one on both CPU paths: the fused kernel where it is built and applies, and
+    the PyTorch code it falls back to (``LINTRANS_NATIVE=0``)."""
+    if request.param == "chunked-torch":
+        monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    return request.param.split("-")[0]
+
+
+@pytest.fixture(params=["native", "torch"])
+def chunked_path(request, monkeypatch):
+    """For the tests of the default (chunked) form: both CPU paths, as in ``form``."""
+    if request.param == "torch":
+        monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    return request.param
+
+
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -58,7 +75,6 @@ def assert_close(x, y, tol, what=""):
 # ------------------------------------------------------------------------------------------ forward
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("gate", ["none", "token", "fixed"])
 def test_forms_equal_reference(form, shape, gate):
@@ -75,7 +91,6 @@ def test_forms_equal_reference(form, shape, gate):
     assert_close(S, S_ref, 1e-10, "S")
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 def test_no_initial_state_and_no_final_state(form):
     q, k, v, beta = inputs(2, 19, 2, 6, 4)
     o, S = delta_rule(q, k, v, beta, form=form, chunk_size=8)
@@ -87,7 +102,7 @@ def test_no_initial_state_and_no_final_state(form):
     assert_close(o0, o, 1e-12)
 
 
-def test_the_definition_by_hand():
+def test_the_definition_by_hand(chunked_path):
     """One head, two tokens, written out: the reference is the rule the docs state, not just our forms."""
     q, k, v, beta = inputs(1, 2, 1, 3, 2, seed=5)
     ld = gates((1, 2, 1), seed=6)
@@ -105,7 +120,6 @@ def test_the_definition_by_hand():
         assert_close(S_out[0, 0], S, 1e-12, form)
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 @pytest.mark.parametrize("gate", ["none", "token"])
 def test_l2_normalize_false_and_scale(form, gate):
     B, T, H, Dk, Dv = 2, 29, 2, 5, 6
@@ -123,7 +137,6 @@ def test_l2_normalize_false_and_scale(form, gate):
     assert (o_norm - o).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_beta_above_one(form, chunk):
     """beta in (1, 2]: negative eigenvalues (1 - beta) along k; still exact and bounded."""
@@ -138,7 +151,6 @@ def test_beta_above_one(form, chunk):
     assert_close(S, S_ref, 1e-9, "S")
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 @pytest.mark.parametrize("gate", ["none", "token", "fixed"])
 @pytest.mark.parametrize("split", [1, 13, 32])
 def test_split_sequence_equals_one_call(form, gate, split):
@@ -162,8 +174,7 @@ def test_split_sequence_equals_one_call(form, gate, split):
     assert_close(S2, S, 1e-11, "S")
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
-def test_forms_agree_on_chunk_size(form):
+def test_forms_agree_on_chunk_size(chunked_path):
     """The chunk size changes the order of the sums, never the result."""
     q, k, v, beta = inputs(1, 50, 2, 6, 6)
     ld = gates((1, 50, 2))
@@ -188,7 +199,6 @@ def _grads(fn, tensors):
 NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 @pytest.mark.parametrize("shape", SHAPES[1:])
 @pytest.mark.parametrize("gate", ["none", "token", "fixed"])
 def test_gradients_equal_reference(form, shape, gate):
@@ -224,7 +234,7 @@ def test_gradients_equal_reference(form, shape, gate):
 
 
 @pytest.mark.parametrize("gate", ["token", "fixed"])
-def test_gradients_with_only_the_output(gate):
+def test_gradients_with_only_the_output(gate, chunked_path):
     """No final state asked for: the state's gradient path is absent, the rest still exact."""
     B, T, H, Dk, Dv = 1, 20, 2, 3, 4
     q, k, v, beta = (x.requires_grad_() for x in inputs(B, T, H, Dk, Dv))
@@ -240,7 +250,7 @@ def test_gradients_with_only_the_output(gate):
 
 @pytest.mark.parametrize("gate", ["none", "token", "fixed"])
 @pytest.mark.parametrize("l2", [True, False])
-def test_gradcheck_chunked(gate, l2):
+def test_gradcheck_chunked(gate, l2, chunked_path):
     B, T, H, Dk, Dv, c = 1, 6, 2, 3, 2, 4
     q, k, v, _ = inputs(B, T, H, Dk, Dv, seed=4)
     if not l2:
@@ -261,7 +271,7 @@ def test_gradcheck_chunked(gate, l2):
     assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-def test_gradient_is_not_zero_everywhere():
+def test_gradient_is_not_zero_everywhere(chunked_path):
     """A guard on the comparisons above: the gradients compared are not all trivially zero."""
     q, k, v, beta = (x.requires_grad_() for x in inputs(1, 10, 1, 4, 4))
     ld = gates((1, 10, 1)).requires_grad_()
@@ -288,7 +298,6 @@ def _float32_tolerance(fn, args, ref):
     return 64 * max(worst, EPS32 * mag)
 
 
-@pytest.mark.parametrize("form", DELTA_FORMS)
 @pytest.mark.parametrize("gate", ["none", "token"])
 def test_float32_within_its_tolerance(form, gate):
     B, T, H, Dk, Dv = 2, 100, 2, 16, 12
@@ -312,7 +321,6 @@ def test_float32_within_its_tolerance(form, gate):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("form", DELTA_FORMS)
 def test_low_precision_inputs(dtype, form):
     B, T, H, Dk, Dv = 1, 40, 2, 8, 8
     q, k, v, beta = (x.to(dtype) for x in inputs(B, T, H, Dk, Dv))
@@ -332,7 +340,7 @@ def test_low_precision_inputs(dtype, form):
 
 
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_gates_of_minus_fifty(chunk):
+def test_gates_of_minus_fifty(chunk, chunked_path):
     """Gates that wipe the state (-50) next to gates that keep it (0): exact, finite, in both forms."""
     B, T, H, Dk, Dv = 1, 100, 2, 4, 3
     q, k, v, beta = inputs(B, T, H, Dk, Dv)
@@ -350,7 +358,7 @@ def test_gates_of_minus_fifty(chunk):
             assert_close(S, S_ref, tol, f"S {form} {dtype}")
 
 
-def test_gates_of_minus_fifty_gradients_are_finite_and_exact():
+def test_gates_of_minus_fifty_gradients_are_finite_and_exact(chunked_path):
     B, T, H, Dk, Dv = 1, 30, 1, 3, 3
     q, k, v, beta = (x.requires_grad_() for x in inputs(B, T, H, Dk, Dv))
     ld = torch.full((B, T, H), -50.0, dtype=F64)
@@ -365,7 +373,7 @@ def test_gates_of_minus_fifty_gradients_are_finite_and_exact():
         assert_close(a, b, 1e-10 * max(1.0, b.abs().max().item()), f"d{name}")
 
 
-def test_long_sequence_chunked():
+def test_long_sequence_chunked(chunked_path):
     """T = 65536 in float32: finite, and on the last tokens equal to the reference run on a tail alone
     (the gates across the tail's first part forget everything earlier: below float64's resolution)."""
     B, T, H, D, tail, last = 1, 65536, 1, 8, 500, 100
@@ -393,7 +401,7 @@ def test_long_sequence_chunked():
 
 @pytest.mark.parametrize("gate", ["none", "token", "fixed"])
 @pytest.mark.parametrize("l2", [True, False])
-def test_steps_equal_the_full_op(gate, l2):
+def test_steps_equal_the_full_op(gate, l2, chunked_path):
     B, T, H, Dk, Dv = 2, 12, 3, 5, 4
     q, k, v, beta = inputs(B, T, H, Dk, Dv)
     if not l2:
