@@ -26,6 +26,9 @@ class RunOptions:
 
     quick: bool = field(default=False, metadata={"help": "tiny settings (minutes) that check the machinery; "
                                                          "not a result"})
+    setting: Optional[str] = field(default=None, metadata={
+        "help": "a named preset of the study's settings (recall: hard), applied before --set and flags; "
+                "its record folder is NAME-SETTING"})
     out: Optional[str] = field(default=None, metadata={
         "help": "record folder (default docs/results/experiments/NAME, or runs/experiments/NAME-quick with --quick)"})
     jobs: int = field(default=1, metadata={
@@ -46,9 +49,10 @@ def option_label(name: str) -> str:
     return flag_name(name)
 
 
-def default_out(name: str, quick: bool) -> Path:
+def default_out(name: str, quick: bool, setting: Optional[str] = None) -> Path:
     # a --quick run never lands in the committed record folder unless --out says so
-    return Path("runs/experiments") / f"{name}-quick" if quick else Path("docs/results/experiments") / name
+    folder = name if setting is None else f"{name}-{setting}"
+    return Path("runs/experiments") / f"{folder}-quick" if quick else Path("docs/results/experiments") / folder
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -69,8 +73,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         add_arguments(group, settings_class(name, mod.DEFAULT), dest="setting:")
 
 
-def resolve(mod, args: argparse.Namespace, quick: bool) -> dict:
-    """The study's settings: its DEFAULT, then QUICK with --quick, then --set items, then flags."""
+def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] = None) -> dict:
+    """The study's settings: its DEFAULT, then the preset ``setting`` (the module's PRESETS), then
+    QUICK with --quick, then --set items, then flags."""
     import dataclasses
 
     from lintrans.config import apply_flags, apply_overrides, set_key
@@ -78,6 +83,11 @@ def resolve(mod, args: argparse.Namespace, quick: bool) -> dict:
     from .study import setting_label, settings_class
 
     settings = settings_class(mod.NAME, mod.DEFAULT)()
+    presets = getattr(mod, "PRESETS", {})
+    if setting is not None and setting not in presets:
+        raise ValueError(f"--setting for {mod.NAME} must be one of {sorted(presets)}, got {setting!r}")
+    for key, value in (presets[setting].items() if setting is not None else ()):
+        set_key(settings, key, value, label=setting_label)
     for key, value in (mod.QUICK.items() if quick else ()):
         set_key(settings, key, value, label=setting_label)
     apply_overrides(settings, args.set, label=setting_label)
@@ -96,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     out = None
     try:
         opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
-        out = Path(opts.out) if opts.out is not None else default_out(args.study, opts.quick)
+        out = Path(opts.out) if opts.out is not None else default_out(args.study, opts.quick, opts.setting)
         if opts.plot_only:
             path = out / f"{args.study}.json"
             if not path.is_file():
@@ -106,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
             from lintrans.train.distributed import resolve_device
 
             device = str(resolve_device(opts.device, what="--device"))  # before any work
-            settings = resolve(mod, args, opts.quick)
-            settings["quick"], settings["device"] = opts.quick, device
+            settings = resolve(mod, args, opts.quick, opts.setting)
+            settings["quick"], settings["device"], settings["setting"] = opts.quick, device, opts.setting
             mod.validate(settings)
             if opts.print_settings:
                 print(dump(settings), end="")
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     print(mod.table(record))
     if quick:
         print(f"{QUICK_BANNER} (expect chance-level scores); `lintrans experiment {args.study}` without --quick "
-              f"runs the study (its committed record: {default_out(args.study, False)})")
+              f"runs the study (its committed record: {default_out(args.study, False, opts.setting)})")
     return 0
 
 

@@ -7,7 +7,8 @@ scored by held-out accuracy there. Its input adds to each token's embedding a le
 the previous token's (``ShiftGPT``: the short convolution of Based and Zoology's models), the same
 for every mechanism. The figure is Zoology's: accuracy against the floats one layer keeps to continue
 the sequence, measured from the model's own generation cache at length T (softmax: its KV cache,
-2 T d; linear: H F (Dv + 1); sliding window: its ring buffer, about 2 w d; gated: H F Dv). The
+2 T d; linear: H F (Dv + 1); sliding window: its ring buffer, about 2 w d; gated: H F Dv; the delta
+rule: H Dk Dv and its short convolution's last 3 inputs of q, k and v, 9 d). The
 state is swept by the width: 64 (4 heads) and 128 (8 heads), head size 16 in both; the feature
 dimension of based and ReBased follows from it (F = 1 + p + p(p+1)/2 and p(p+1)/2 at head size p).
 
@@ -16,7 +17,9 @@ Shrunk to fit an hour on 2 cores (Zoology trains far longer, on a mixture of len
 learning rates 1e-3, 2e-3, 4e-3. Many small steps, because MQAR is learnt in a jump from chance that
 short runs stop in the middle of; the shift input, because without it a 2-layer model does not learn
 the task at this budget. The rate is swept at each width, since a rate that suits width 64 can leave
-width 128 at chance. Runs: 6 mechanisms x 2 widths x (3 rates + 2 more seeds) = 60.
+width 128 at chance. Runs: 8 mechanisms x 2 widths x (3 rates + 2 more seeds) = 80.
+``--setting hard`` is Zoology's harder point, 64 pairs in T = 256, with everything else the same
+(its record: docs/results/experiments/recall-hard); a step costs about four times as much.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ VERSION = 2
 
 DEFAULT = {
     "mechanisms": ["softmax", "linear:elu", "linear:based", "linear:rebased", "sliding-window:window=8",
-                   "gated-linear"],
+                   "gated-linear", "deltanet", "gated-deltanet"],
     "shapes": [[64, 4], [128, 8]],  # [width, heads]: head size 16
     "lrs": [1e-3, 2e-3, 4e-3],
     "seeds": 3,
@@ -48,6 +51,8 @@ DEFAULT = {
     "eval_every": 125,
     "eval_batch": 512,
 }
+# ``--setting hard``: Zoology's harder MQAR point, 64 pairs in T = 256 (four times the keys to hold)
+PRESETS = {"hard": {"pairs": 64}}
 QUICK = {
     "mechanisms": ["softmax", "linear:elu"],
     "shapes": [[16, 2], [32, 2]],

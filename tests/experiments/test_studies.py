@@ -150,6 +150,8 @@ def test_plot_only_redraws(tmp_path, capsys):
 def test_quick_does_not_default_to_the_record_folder():
     assert "docs" not in str(default_out("context", True))
     assert str(default_out("recall", False)) == "docs/results/experiments/recall"
+    assert str(default_out("recall", False, "hard")) == "docs/results/experiments/recall-hard"
+    assert str(default_out("recall", True, "hard")) == "runs/experiments/recall-hard-quick"
 
 
 @pytest.mark.parametrize("name, args, match", [
@@ -165,6 +167,8 @@ def test_quick_does_not_default_to_the_record_folder():
     ("recall", ["--set", "sweep_shape=[8,2]"], "unknown setting"),
     ("recall", ["--set", "vocab_size=4"], "vocab_size"),
     ("recall", ["--mechanisms", "sliding-window:bogus=1"], "bogus"),
+    ("recall", ["--setting", "bogus"], "--setting for recall must be one of ['hard'], got 'bogus'"),
+    ("context", ["--setting", "hard"], "--setting for context must be one of [], got 'hard'"),
     ("regression", ["--set", "eval_points=3"], "eval_points"),
     ("regression", ["--set", "curriculum=1.5"], "curriculum"),
     ("regression", ["--seeds", "0"], "seeds"),
@@ -209,3 +213,22 @@ def test_settings_flags_set_and_quick_are_typed_and_printed(tmp_path, capsys):
     assert run_cli("recall", tmp_path, "--steps", "2.5") == 2
     assert capsys.readouterr().err == "lintrans experiment: --steps must be an int, got '2.5'\n"
     assert not (tmp_path / "runs").exists()
+
+
+def test_recall_hard_setting_is_a_preset_under_set_and_flags(tmp_path, capsys):
+    assert main(["experiment", "recall", "--setting", "hard", "--print-settings"]) == 0
+    out = capsys.readouterr().out
+    assert "pairs: 64" in out and "setting: hard" in out and "vocab_size: 8192" in out
+    assert main(["experiment", "recall", "--setting", "hard", "--pairs", "32", "--print-settings"]) == 0
+    assert "pairs: 32" in capsys.readouterr().out  # a flag wins over the preset
+
+
+def test_recall_runs_the_delta_rule_and_records_its_state(tmp_path, capsys):
+    assert run_cli("recall", tmp_path, "--mechanisms", "deltanet", "gated-deltanet", "--seeds", "1",
+                   "--lrs", "1e-3") == 0
+    data = json.loads((tmp_path / "recall.json").read_text())
+    for m in ("deltanet", "gated-deltanet"):
+        for p in data["summary"]["points"][m]:  # widths 16 and 32, 2 heads: S per head and the conv tail
+            h = p["width"] // p["heads"]
+            assert p["state_floats"] == p["heads"] * h * h + 3 * 3 * p["width"]
+            assert p["accuracy"]["n"] == 1
