@@ -125,7 +125,8 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     """Run one benchmark; print its table; write results when ``out``. Returns {'rows', 'headline', ...}."""
     from .machine import machine_info
     from .plots import plot_sweep
-    from .report import headline, speedup, table, write_results
+    from .report import headline, table, write_results
+    from .trend import verdict
 
     t0 = time.perf_counter()
     if which == "ops":
@@ -171,7 +172,8 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     bar.close()
     rows = [p.row() for p in points]
     measured = {r["series"] for r in rows}  # comparisons of series left out (--ops) are dropped
-    speedups = [speedup(rows, fast, slow) for fast, slow in comparisons if {fast, slow} <= measured]
+    # each comparison with whether its curves hold together (trend.verdict): a disturbed one gets no ratio
+    speedups = [verdict(rows, fast, slow) for fast, slow in comparisons if {fast, slow} <= measured]
     verb = {"generate": "decodes", "train": "trains"}.get(which, "runs")
     lines = [headline(s, verb) for s in speedups]
     if which == "train":

@@ -3,7 +3,10 @@
 Three measurements, each side by side in one run: the attention op (softmax SDPA against chunked
 linear attention, forward + backward), a GPT training step (softmax against chunked linear at its
 tuned chunk size) and time per generated token (KV cache against recurrent state). Prints the
-context from which linear attention is faster and the speed-up at the longest context measured.
+context from which linear attention is faster and the speed-up at the longest context measured,
+each only where both curves hold together (``trend.verdict``: a disturbed point is timed again
+during the sweep, one that stays disturbed withholds the comparison), and last whether the
+machine was too busy to conclude.
 
 The training model is deep and narrow (12 layers, width 128) on purpose: with a 50257-token
 vocabulary at batch 1 the LM head costs 6 T d V FLOPs, and in a shallow model it, not attention,
@@ -34,19 +37,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-generate", action="store_true", help="skip the generation benchmark")
 
 
-def _say(name: str, s: dict, verb: str) -> None:
-    if s["faster_from_T"] is not None:
-        print(f"{name}: linear (chunked) {verb} faster than softmax from T = {s['faster_from_T']} on.")
-    else:
-        print(f"{name}: linear (chunked) was not faster than softmax at the longest context measured.")
-    if s["longest_common_T"] is not None:
-        print(f"  speed-up at the longest context measured for both (T = {s['longest_common_T']}): "
-              f"{s['speedup_at_longest']:.2f}x")
-    if s["slow_stopped"]:
-        print(f"  softmax stopped at T = {s['slow_stopped'][0]} ({s['slow_stopped'][1]}); "
-              f"linear reached T = {s['fast_longest_T']}.")
-
-
 def op_share_line(ops: dict) -> Optional[str]:
     """The chunked op at the longest T it reached: its FLOPs (as ``lintrans cost`` counts the chunked
     form) per second, as a share of the matmul probe taken at the end of the same record."""
@@ -62,6 +52,46 @@ def op_share_line(ops: dict) -> Optional[str]:
     rate = op_training_flops(shape, r["T"]) / r["time_s"]
     return (f"chunked op at T = {r['T']}: {r['time_s'] * 1e3:.0f} ms, {rate / 1e9:.0f} GFLOP/s as `lintrans cost` "
             f"counts it, {100 * rate / (probe * 1e9):.0f}% of the matmul probe ({probe:.0f} GFLOP/s, same run)")
+
+
+def summary_lines(ops: dict, train: dict, gen: Optional[dict], size: str) -> list[str]:
+    """The demo's conclusions from the three benchmarks' results, each comparison only where its
+    curves hold together (``trend.verdict``), and last whether the machine was too busy for them."""
+    from .trend import verdict, verdict_lines
+
+    lines, unsettled = [], []
+
+    def compare(result: dict, what: str, verb: str) -> bool:
+        s = result["speedups"][0] if result["speedups"] else None
+        if s is None:
+            return False
+        v = verdict(result["rows"], s["fast"], s["slow"])
+        lines.extend(verdict_lines(v, what, verb))
+        if v["disturbances"]:
+            unsettled.append(what)
+        return v["concluded"]
+
+    if compare(ops, "attention op (fwd + bwd, H=8, D=64)", "runs") and (line := op_share_line(ops)) is not None:
+        lines.append("  " + line)
+    if compare(train, f"GPT {size} training step (vocab 50257, batch 1)", "trains"):
+        # the no-mixing floor: what any attention could gain
+        lines.extend("  " + line + "." for line in train["lines"][len(train["speedups"]):])
+    if gen is not None and compare(gen, "time per generated token", "decodes"):
+        from .trend import curve
+
+        for name in ("linear state", "softmax KV cache"):
+            pts = curve(gen["rows"], name)
+            if len(pts) >= 2:
+                (T0, a), (T1, b) = pts[0], pts[-1]
+                lines.append(f"  {name}: {a * 1e3:.2f} ms at T = {T0}, {b * 1e3:.2f} ms at T = {T1} ({b / a:.2f}x)")
+    probes = [r["noise_warning"] for r in (ops, train, gen) if r is not None and r.get("noise_warning")]
+    if unsettled or probes:
+        why = ([f"no conclusion for the {', '.join(unsettled)}"] if unsettled else []) + (
+            [f"{len(probes)} of the matmul probes taken with the records varied past the quiet threshold"]
+            if probes else [])
+        lines.append(f"the machine was busy during this demo ({'; '.join(why)}): its figures may be off; "
+                     "run `make demo` again when the machine is idle")
+    return lines
 
 
 def run(args) -> int:
@@ -89,24 +119,15 @@ def run(args) -> int:
     gen = None
     if not args.skip_generate:
         prof.sizes = ("4L-128",)
+        # a decoded token takes milliseconds: the budget buys many repeats, and their minimum is
+        # what holds still on a shared machine
+        prof.caps.repeats = 10
         prof.generate_T = powers_of_two(256, args.generate_max_T)
         gen = run_benchmark("generate", prof, out=args.out)
 
     print("\n" + "=" * 80)
-    _say("attention op (fwd + bwd, H=8, D=64)", ops["speedups"][0], "runs")
-    if (line := op_share_line(ops)) is not None:
-        print("  " + line)
-    _say(f"GPT {args.size} training step (vocab 50257, batch 1)", train["speedups"][0], "trains")
-    for line in train["lines"][len(train["speedups"]):]:  # the no-mixing floor: what any attention could gain
-        print("  " + line + ".")
-    if gen is not None:
-        rows = {(r["series"], r["T"]): r for r in gen["rows"] if r["status"] == "ok"}
-        for name in ("linear state", "softmax KV cache"):
-            Ts = sorted(T for (n, T) in rows if n == name)
-            if len(Ts) >= 2:
-                a, b = rows[(name, Ts[0])]["time_s"], rows[(name, Ts[-1])]["time_s"]
-                print(f"time per generated token, {name}: {a * 1e3:.2f} ms at T = {Ts[0]}, "
-                      f"{b * 1e3:.2f} ms at T = {Ts[-1]} ({b / a:.2f}x)")
+    for line in summary_lines(ops, train, gen, args.size):
+        print(line)
     print(f"(quick profile, {time.perf_counter() - t0:.0f}s; `lintrans bench all --profile full` for the full record)")
     print(f"record written to {args.out.resolve()}/ (ops, train{', generate' if gen is not None else ''}: "
           ".json .csv .md .png)")

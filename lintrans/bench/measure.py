@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .machine import synchronize
+from .trend import rose_too_fast
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _libc = None
@@ -141,6 +142,8 @@ class Caps:
     # timed repeats at least (never more than `repeats`) where two or more series are timed side by
     # side: one round of A B C leaves each series one sample, and one slow moment decides the ratio
     min_repeats: int = 1
+    # rounds of repeats taken again where a point rose faster than a step can (trend.rose_too_fast)
+    retimes: int = 1
 
 
 @dataclass
@@ -161,11 +164,20 @@ class Point:
 
 
 def _growth(prev: list[Point], attr: str) -> float:
-    """Ratio to expect from the next doubling of T: the last observed one, at least 2 (linear)."""
+    """Ratio to expect from the next doubling of T: the smaller of the last two observed, at least 2
+    (linear) and at most 8. The smaller, so that one disturbed point does not end a curve."""
     vals = [getattr(p, attr) for p in prev if getattr(p, attr)]
-    if len(vals) >= 2 and vals[-2] > 0:
-        return max(2.0, min(8.0, vals[-1] / vals[-2]))
+    ratios = [b / a for a, b in zip(vals[-3:], vals[-2:]) if a > 0]
+    if ratios:
+        return max(2.0, min(8.0, min(ratios)))
     return 2.0
+
+
+def _predicts(ok: list[Point]) -> bool:
+    """Whether the last measured points may predict the next one: not when the last still rose
+    faster than a step can (after its re-timing); then the next point is measured, not guessed (its
+    warm-up is cut at the cap either way)."""
+    return len(ok) < 2 or not rose_too_fast(ok[-2].T, ok[-2].time_s, ok[-1].T, ok[-1].time_s)
 
 
 @dataclass
@@ -203,18 +215,20 @@ def sweep_side_by_side(series: list[Series], Ts: Iterable[int], caps: Caps, *, d
             group.append(point)
             ok = [p for p in prev if p.status == "ok"]
             prev.append(point)
-            if ok and ok[-1].time_s * _growth(ok, "time_s") > caps.time_s:
+            if ok and _predicts(ok) and ok[-1].time_s * _growth(ok, "time_s") > caps.time_s:
                 point.status = "time cap"
+                point.extra["predicted_s"] = ok[-1].time_s * _growth(ok, "time_s")
             elif ok and caps.memory_bytes and ok[-1].peak_bytes and ok[-1].peak_bytes * _growth(ok, "peak_bytes") > caps.memory_bytes:
                 point.status = "memory cap"
             else:
-                step, first = _prepare(point, s.make_step, caps, device)
+                expected = ok[-1].time_s * _growth(ok, "time_s") if ok and _predicts(ok) else None
+                step, first = _prepare(point, s.make_step, caps, device, expected)
                 if step is not None:
                     live.append((s, point, step, first))
                     del step  # the list holds it; gone once timed
                     if not together:
-                        _time_and_size(live, caps, device)
-        _time_and_size(live, caps, device)
+                        _time_and_size(live, caps, device, done)
+        _time_and_size(live, caps, device, done)
         for point in group:
             if on_point is not None:
                 on_point(point)
@@ -228,20 +242,25 @@ def sweep(series: str, Ts: Iterable[int], make_step: Callable[[int], Callable[[]
     return sweep_side_by_side([Series(series, make_step, measure_memory)], Ts, caps, device=device, on_point=on_point)
 
 
-def _prepare(point: Point, make_step, caps: Caps, device: str):
+def _prepare(point: Point, make_step, caps: Caps, device: str, expected: Optional[float] = None):
     """Build and warm up one step; returns (step, seconds of the warm-up) or (None, None) with the
-    point's status set when it failed or ran past the cap."""
+    point's status set when it failed or ran past the cap. A warm-up past the cap where the curve's
+    trend (``expected`` seconds) says well under it is run once more before the curve ends there."""
     try:
         step = make_step(point.T)
         if isinstance(step, tuple):  # (step, facts measured while setting it up, e.g. a prefill)
             step, extra = step
             point.peak_bytes = extra.pop("peak_bytes", None)
             point.extra.update(extra)
-        t0 = time.perf_counter()
-        with _alarm(3 * caps.time_s):  # a Python-level loop form can take minutes: cut it short
-            step()  # warm-up; also the first estimate of the cost
-            synchronize(device)
-        first = time.perf_counter() - t0
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            with _alarm(3 * caps.time_s):  # a Python-level loop form can take minutes: cut it short
+                step()  # warm-up; also the first estimate of the cost
+                synchronize(device)
+            first = time.perf_counter() - t0
+            if first <= caps.time_s or expected is None or expected > caps.time_s / 2 or attempt:
+                break
+            point.extra["warmups"] = 2
         if first > caps.time_s:
             point.status, point.time_s, point.times_s = "time cap", first, [first]
             return None, None
@@ -257,25 +276,44 @@ def _failed(point: Point, e: BaseException) -> None:
     point.status = "oom" if is_oom(e) else f"error: {type(e).__name__}: {e}"[:200]
 
 
-def _time_and_size(live: list, caps: Caps, device: str) -> None:
-    """Timed repeats of the warmed-up steps, taken in turn, then each one's peak memory."""
+def _previous(done: Optional[dict], s: Series, point: Point) -> Optional[Point]:
+    """The measured point of ``s`` just before ``point``."""
+    prev = [p for p in (done or {}).get(s.name, []) if p is not point and p.status == "ok" and p.T < point.T]
+    return prev[-1] if prev else None
+
+
+def _time_and_size(live: list, caps: Caps, device: str, done: Optional[dict] = None) -> None:
+    """Timed repeats of the warmed-up steps, taken in turn, then each one's peak memory. A point
+    that rose faster than a step can from its series' previous one (``done``) was disturbed: the
+    whole group is timed once more, in turn, and each point keeps its fastest repeat of both."""
     least = caps.min_repeats if len(live) > 1 else 1
     reps = {id(p): max(1, min(caps.repeats, max(least, int(caps.budget_s / max(first, 1e-9)))))
             for _, p, _, first in live}
-    for r in range(max(reps.values(), default=0)):
-        for _, point, step, _ in live:
-            if r >= reps[id(point)] or point.status != "ok":
-                continue
-            try:
-                point.times_s.append(time_step(step, device=device, cpu=point.cpu_times_s))
-            except Exception as e:
-                _failed(point, e)
+    for attempt in range(1 + caps.retimes):
+        for r in range(max(reps.values(), default=0)):
+            for _, point, step, _ in live:
+                if r >= reps[id(point)] or point.status != "ok":
+                    continue
+                try:
+                    point.times_s.append(time_step(step, device=device, cpu=point.cpu_times_s))
+                except Exception as e:
+                    _failed(point, e)
+        # interference from other tenants only ever adds time, so the fastest repeat is the
+        # estimate, as timeit advises
+        suspects = []
+        for s, point, _, _ in live:
+            if point.status == "ok":
+                point.time_s = min(point.times_s)
+                prev = _previous(done, s, point)
+                if prev is not None and rose_too_fast(prev.T, prev.time_s, point.T, point.time_s):
+                    suspects.append(point)
+        if not suspects or attempt == caps.retimes:
+            break
+        for point in suspects:
+            point.extra["retimed"] = point.extra.get("retimed", 0) + 1
     for s, point, step, _ in live:
         if point.status != "ok":
             continue
-        # interference from other tenants only ever adds time, so the fastest repeat is the
-        # estimate, as timeit advises
-        point.time_s = min(point.times_s)
         if s.measure_memory:
             try:
                 point.peak_bytes = peak_memory(step, device)

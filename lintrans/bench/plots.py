@@ -15,6 +15,15 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def cap_mark(end: dict, key: str, last_T: int, last_value: float) -> tuple[int, float]:
+    """Where the cross of a curve's end goes: at the T that was not measured (``end``), at the
+    time its warm-up took or the sweep predicted for it, else level with the last measured point."""
+    value = end.get(key)
+    if value is None and key == "time_s":
+        value = end.get("predicted_s")
+    return end["T"], value if value is not None else last_value
+
+
 def plot_sweep(rows: list[dict], path: Path, title: str, *, value: str = "time_s", ylabel: str = "seconds",
                second: Optional[tuple[str, str]] = ("peak_bytes", "peak memory (MiB)"), subtitle: str = "") -> Path:
     """Save a PNG with ``value`` against T (and ``second`` in a panel beside it) for every series."""
@@ -37,8 +46,12 @@ def plot_sweep(rows: list[dict], path: Path, title: str, *, value: str = "time_s
             (line,) = ax.plot(xs, ys, marker="o", ms=3, label=name, **style)
             end = pts[-1]
             if end["status"] != "ok":
-                ax.plot([xs[-1]], [ys[-1]], marker="x", ms=9, mew=2, color=line.get_color())
-                ax.annotate(MARKERS.get(end["status"], "error"), (xs[-1], ys[-1]), textcoords="offset points",
+                x, y = cap_mark(end, key, xs[-1], ys[-1] / scale)
+                # the cross stands at the context that was not measured, joined by a dotted line to the
+                # last one that was: the curve ends there, the capped point is past it
+                ax.plot([xs[-1], x], [ys[-1], y * scale], ls=":", color=line.get_color(), alpha=0.7)
+                ax.plot([x], [y * scale], marker="x", ms=9, mew=2, color=line.get_color())
+                ax.annotate(MARKERS.get(end["status"], "error"), (x, y * scale), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, color=line.get_color())
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

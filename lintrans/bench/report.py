@@ -64,8 +64,12 @@ def speedup(rows: list[dict], fast: str, slow: str) -> dict:
 
 
 def headline(s: dict, what: str = "trains") -> str:
+    """One line for a ``speedup`` (or ``trend.verdict``: then none where its curves were disturbed)."""
     if s["longest_common_T"] is None:
         return f"{s['fast']} vs {s['slow']}: no context where both were measured"
+    if s.get("concluded") is False:
+        return (f"{s['fast']} vs {s['slow']}: no conclusion, the machine was too busy "
+                f"({'; '.join(s['disturbances'][:2])})")
     parts = []
     if s["faster_from_T"] is not None:
         parts.append(f"{s['fast']} {what} faster than {s['slow']} from T = {s['faster_from_T']} on")
