@@ -35,6 +35,7 @@ def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None, device: st
         series[f"linear {form}"] = PerT(make)
         if form == "chunked":
             series[GATED_OP] = PerT(lambda T: _gated(gated_chunk(T) if callable(gated_chunk) else gated_chunk, feature_map))
+    series.update(delta_ops())
     series.update(_other_ops())
     from .peers import peer_ops
 
@@ -57,6 +58,26 @@ def _gated(chunk: int, feature_map: str, backend: str = "torch") -> Callable:
                                 backend=backend)[0]
 
     return fn
+
+
+DELTA_OP, GATED_DELTA_OP = "delta", "gated-delta"
+
+
+def delta_gates(q: torch.Tensor):
+    """The write strength and gate the delta series compute from q (so that their backward is timed
+    too, as trained ones would be): beta = sigmoid(q[..., 1]), log_decay = -softplus(q[..., 0]) / 16."""
+    return torch.sigmoid(q[..., 1]), -torch.nn.functional.softplus(q[..., 0]) / 16
+
+
+def delta_ops() -> dict[str, Callable]:
+    """DeltaNet and Gated DeltaNet (``lintrans.ops.delta_rule``, chunked, L2-normalised q and k)."""
+    from lintrans.ops import delta_rule
+
+    def delta(q, k, v, gated: bool):
+        beta, log_decay = delta_gates(q)
+        return delta_rule(q, k, v, beta, log_decay=log_decay if gated else None)[0]
+
+    return {DELTA_OP: lambda q, k, v: delta(q, k, v, False), GATED_DELTA_OP: lambda q, k, v: delta(q, k, v, True)}
 
 
 def _other_ops() -> dict[str, Callable]:

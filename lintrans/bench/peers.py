@@ -38,9 +38,29 @@ def peer_ops(feature_map: str = "elu", device: str = "cpu") -> dict[str, Callabl
     out: dict[str, Callable] = {}
     out.update(_fast_transformers(feature_map))
     out.update(_retention())
+    out.update(_transformers_delta())
     if str(device).startswith("cuda"):
         out.update(_fla(feature_map))
     return out
+
+
+TRANSFORMERS_DELTA_SERIES = "transformers torch_chunk_gated_delta_rule"
+
+
+def _transformers_delta() -> dict[str, Callable]:
+    """Hugging Face transformers' pure-PyTorch Gated DeltaNet (its fallback where fla is missing, as on
+    every CPU), with the gates of our ``gated-delta`` series (``lintrans.bench.ops.delta_gates``)."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    except ImportError:
+        return {}
+    from .ops import delta_gates
+
+    def fn(q, k, v):
+        beta, log_decay = delta_gates(q)
+        return torch_chunk_gated_delta_rule(q, k, v, log_decay, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    return {TRANSFORMERS_DELTA_SERIES: fn}
 
 
 def _fla(feature_map: str) -> dict[str, Callable]:

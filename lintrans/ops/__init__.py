@@ -12,7 +12,7 @@ from .bigbird import bigbird_attention, bigbird_attention_reference, bigbird_mas
 from .context_parallel import context_parallel_linear_attention
 from .cosformer import CosformerState, cosformer_attention, cosformer_attention_reference, cosformer_step
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from .delta import DELTA_FORMS, delta_rule, delta_rule_reference, delta_rule_step
+from .delta import DELTA_FORMS, context_parallel_delta_rule, delta_rule, delta_rule_reference, delta_rule_step
 from .feature_maps import FEATURE_MAPS, feature_dim_for, resolve_feature_map
 from .linear import FORMS, linear_attention, linear_attention_reference, linear_attention_step
 from .lsh import lsh_attention, lsh_attention_reference, lsh_buckets, lsh_mask, shared_qk_attention
@@ -40,6 +40,7 @@ __all__ = [
     "cosformer_attention",
     "cosformer_attention_reference",
     "cosformer_step",
+    "context_parallel_delta_rule",
     "context_parallel_linear_attention",
     "DELTA_FORMS",
     "delta_rule",
