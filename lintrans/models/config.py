@@ -53,21 +53,31 @@ class GPTConfig(HeadGeometry):
     ordinary GPT, a different function of them (``lintrans.models.reversible``).
     """
 
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024
-    vocab_size: int = 50304
-    bias: bool = True
-    dropout: float = 0.0
-    attention: str = "softmax"
-    attention_options: dict = field(default_factory=dict)
-    n_kv_head: Optional[int] = None
-    mlp: str = "gelu"
-    gelu_approximate: str = "tanh"
-    gradient_checkpointing: bool = False
-    pos_embedding: str = "learned"
-    reversible: bool = False
+    n_layer: int = field(default=12, metadata={"help": "transformer blocks"})
+    n_head: int = field(default=12, metadata={"help": "attention heads per block"})
+    n_embd: int = field(default=768, metadata={"help": "width of the residual stream, a multiple of n_head"})
+    block_size: int = field(default=1024, metadata={"help": "longest context (the size of the learned position "
+                                                             "table)"})
+    vocab_size: int = field(default=50304, metadata={"help": "tokens in the vocabulary (a training run takes its "
+                                                              "tokenizer's unless set)"})
+    bias: bool = field(default=True, metadata={"help": "biases in the linear layers and layer norms"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability, in [0, 1)"})
+    attention: str = field(default="softmax", metadata={
+        "help": "the mechanism, a name from lintrans.nn.available_attention() (softmax, linear, ...)"})
+    attention_options: dict = field(default_factory=dict, metadata={
+        "help": "that mechanism's options, e.g. {feature_map: elu, chunk_size: 64} for linear"})
+    n_kv_head: Optional[int] = field(default=None, metadata={
+        "help": "key/value heads for grouped-query attention (default: n_head; 1 = multi-query)"})
+    mlp: str = field(default="gelu", metadata={"help": f"one of {list(MLP_KINDS)}"})
+    gelu_approximate: str = field(default="tanh", metadata={
+        "help": f"one of {list(GELU_APPROXIMATIONS)}: tanh is GPT-2's GELU, none the exact erf GELU of nanoGPT"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute each block in the backward pass: less memory, more time"})
+    pos_embedding: str = field(default="learned", metadata={
+        "help": f"one of {list(POS_EMBEDDINGS)}; none drops learned positions (the context is then not limited by "
+                "block_size where the mechanism needs none)"})
+    reversible: bool = field(default=False, metadata={
+        "help": "the Reformer's reversible residual layers: activation memory flat in n_layer"})
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):

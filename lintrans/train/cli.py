@@ -25,9 +25,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="override one config key, e.g. train.max_steps=500 (repeatable)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--device", default=None, help="train.device: auto, cpu, cuda, cuda:N or mps")
-    keys = parser.add_argument_group("config keys (same as --set KEY=VALUE)")
-    add_arguments(keys, TrainConfig, hidden=True)
-    keys.description = "every key of the config, e.g. --train.max_steps 500 --model.attention linear (see docs/training.md)"
+    keys = parser.add_argument_group(
+        "config keys", "every key of the config, the same as --set KEY=VALUE (model keys: unset ones take "
+                       "GPTConfig's defaults shown here; see docs/training.md)")
+    add_arguments(keys, TrainConfig)
+    # every key is listed below; the usage line would otherwise repeat all of them
+    parser.usage = "%(prog)s [-h] [--config FILE] [--set KEY=VALUE] [--print-config] [--device DEVICE] [--SECTION.KEY VALUE ...]"
 
 
 def run(args: argparse.Namespace) -> int:

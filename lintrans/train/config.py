@@ -23,55 +23,67 @@ RESUME_MODES = ("auto", "never", "must")
 PARALLEL = ("ddp", "fsdp")
 
 
+def _key(default, help: str):
+    """A config key with its help text (``lintrans train --help`` lists every key with it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class DataConfig:
-    source: str = "builtin:python-docs"  # see lintrans.train.data for the spec syntax
-    tokenizer: str = "gpt2"
-    val_fraction: float = 0.05
-    bin_dtype: str = "uint16"  # dtype of nanoGPT .bin token files
-    hf_split: str = "train"
-    hf_text_column: str = "text"
-    cache_dir: Optional[str] = None  # default: $LINTRANS_CACHE_DIR/data or ~/.cache/lintrans/data
+    source: str = _key("builtin:python-docs", "the text: builtin:python-docs (the embedded corpus), text files or a "
+                       "glob, nanoGPT .bin token files, or hf:NAME from the local Hugging Face cache")
+    tokenizer: str = _key("gpt2", f"one of {list(TOKENIZERS)}")
+    val_fraction: float = _key(0.05, "share of the corpus held out for evaluation, in (0, 1)")
+    bin_dtype: str = _key("uint16", "dtype of nanoGPT .bin token files")
+    hf_split: str = _key("train", "split of an hf: dataset")
+    hf_text_column: str = _key("text", "column of an hf: dataset that holds the text")
+    cache_dir: Optional[str] = _key(None, "where tokenized corpora are kept (default: $LINTRANS_CACHE_DIR/data or "
+                                    "~/.cache/lintrans/data)")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 100
-    decay_steps: Optional[int] = None  # steps from 0 to min_lr; default train.max_steps
-    schedule: str = "cosine"
-    weight_decay: float = 0.1  # applied to matrices (>= 2-D parameters) only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    lr: float = _key(6e-4, "peak learning rate (AdamW)")
+    min_lr: float = _key(6e-5, "learning rate at the end of the decay, <= lr")
+    warmup_steps: int = _key(100, "steps of linear warm-up from 0 to lr")
+    decay_steps: Optional[int] = _key(None, "steps from 0 to the end of the decay (default: train.max_steps)")
+    schedule: str = _key("cosine", f"decay after the warm-up, one of {list(SCHEDULES)}")
+    weight_decay: float = _key(0.1, "AdamW weight decay, applied to matrices (>= 2-D parameters) only")
+    beta1: float = _key(0.9, "AdamW beta1")
+    beta2: float = _key(0.95, "AdamW beta2")
+    eps: float = _key(1e-8, "AdamW eps")
+    grad_clip: float = _key(1.0, "largest global gradient norm; 0 disables clipping")
 
 
 @dataclass
 class TrainSection:
-    out_dir: str = "runs/default"
-    max_steps: int = 1000
-    stop_after_steps: Optional[int] = None  # stop (with a checkpoint) after this many steps in this run
-    batch_size: Optional[int] = 16  # global sequences per update (ignored if tokens_per_update is set)
-    tokens_per_update: Optional[int] = None  # constant tokens per update: batch = this / block_size
-    micro_batch_size: Optional[int] = None  # sequences per forward pass per process; rest is accumulation
-    eval_interval: int = 100
-    eval_batches: int = 10
-    checkpoint_interval: int = 200
-    seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    precision: str = "auto"  # auto = bf16 autocast on GPUs that support it, fp32 elsewhere
-    compile: bool = False
-    resume: str = "auto"  # auto: continue from out_dir/checkpoint if present; never; must
-    # start from existing weights (lintrans checkpoint, Hugging Face GPT-2 folder or cache name, nanoGPT
-    # ckpt.pt): the model is that one; model.attention etc. may swap the attention (weights kept)
-    init_from: Optional[str] = None
-    progress: bool = True
-    # under torchrun: ddp (replicated weights) or fsdp (FSDP2 fully_shard: weights, gradients and
-    # optimizer state sharded over the processes)
-    parallel: str = "ddp"
-    context_parallel: int = 1  # split every sequence over this many processes (linear-state attention only)
+    out_dir: str = _key("runs/default", "folder of the run: its checkpoint, train.log and resolved config")
+    max_steps: int = _key(1000, "optimizer steps of the whole run")
+    stop_after_steps: Optional[int] = _key(None, "stop, with a checkpoint, after this many steps in this process "
+                                           "(the same command resumes)")
+    batch_size: Optional[int] = _key(16, "sequences per update over all processes (ignored when "
+                                     "tokens_per_update is set)")
+    tokens_per_update: Optional[int] = _key(None, "tokens per update, whatever the block size: the batch is this / "
+                                            "model.block_size sequences")
+    micro_batch_size: Optional[int] = _key(None, "sequences per forward pass per process (default: the whole "
+                                           "batch); the rest is gradient accumulation")
+    eval_interval: int = _key(100, "steps between evaluations on the held-out text")
+    eval_batches: int = _key(10, "batches per evaluation")
+    checkpoint_interval: int = _key(200, "steps between checkpoints")
+    seed: int = _key(1337, "seed of the initial weights, the batches and dropout")
+    device: str = _key("auto", "auto, cpu, cuda, cuda:N or mps")
+    precision: str = _key("auto", f"one of {list(PRECISIONS)}; auto is bf16 autocast on GPUs that support it, "
+                          "fp32 elsewhere")
+    compile: bool = _key(False, "torch.compile the model")
+    resume: str = _key("auto", f"one of {list(RESUME_MODES)}: auto continues from out_dir's checkpoint when there "
+                       "is one, never refuses an out_dir that has one, must refuses one that has none")
+    init_from: Optional[str] = _key(None, "start from these weights: a lintrans checkpoint, a Hugging Face GPT-2 "
+                                    "folder or cache name, or a nanoGPT ckpt.pt; the model is that one, and "
+                                    "model.attention etc. may swap its attention (weights kept)")
+    progress: bool = _key(True, "progress bar")
+    parallel: str = _key("ddp", f"under torchrun, one of {list(PARALLEL)}: ddp replicates the weights, fsdp "
+                         "(FSDP2 fully_shard) shards weights, gradients and optimizer state over the processes")
+    context_parallel: int = _key(1, "split every sequence over this many processes (linear-state attention only)")
 
 
 SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainSection}
