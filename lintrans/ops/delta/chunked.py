@@ -165,18 +165,18 @@ class _Native(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, ld, S0, chunk, l2, scale):
-        o, states, S = native_delta.forward(q, k, v, beta, ld, S0, chunk, l2, scale)
-        ctx.save_for_backward(q, k, v, beta, ld, states)
+        o, u, states, S = native_delta.forward(q, k, v, beta, ld, S0, chunk, l2, scale)
+        ctx.save_for_backward(q, k, v, beta, ld, u, states)
         ctx.args = chunk, l2, scale
         return o, S
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dS_end):
-        q, k, v, beta, ld, states = ctx.saved_tensors
+        q, k, v, beta, ld, u, states = ctx.saved_tensors
         if dS_end is None:
             dS_end = q.new_zeros(states.shape[0], states.shape[1], *states.shape[3:])
-        dq, dk, dv, dbeta, dld, dS0 = native_delta.backward(q, k, v, beta, ld, states, do, dS_end, *ctx.args)
+        dq, dk, dv, dbeta, dld, dS0 = native_delta.backward(q, k, v, beta, ld, u, states, do, dS_end, *ctx.args)
         return dq, dk, dv, dbeta, dld, dS0, None, None, None
 
 

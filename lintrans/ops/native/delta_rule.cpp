@@ -5,10 +5,13 @@
 // Per chunk of cl tokens (rows gathered into contiguous buffers), with S the state entering it,
 // b the in-chunk cumulative log-decays (double), E_ij = exp(b_i - b_j) (j <= i), Gam_i = exp(b_i),
 // kap_j = exp(b_last - b_j), gam = exp(b_last):
-//   A = strict_lower(beta_i (k_i . k_j) E_ij);  [W | U~] = (I + A)^-1 [beta Gam k | beta v]
-//   U = U~ - W S;  o = (lower(q k^T) * E) U + (Gam q) S;  S <- gam S + (kap k)^T U
-// Forward saves the state entering every chunk; backward walks the chunks in reverse, recomputing
-// each chunk's solve, and carries dS, the gradient reaching the state after the chunk.
+//   A = strict_lower(beta_i (k_i . k_j) E_ij),  Ti = (I + A)^-1
+//   U = Ti (beta (v - Gam k S))   (= U~ - W S of the WY form, without forming W or U~)
+//   o = (lower(q k^T) * E) U + (Gam q) S;  S <- gam S + (kap k)^T U
+// Forward saves the state entering every chunk and U; backward walks the chunks in reverse,
+// recomputing each chunk's Ti, and carries dS, the gradient reaching the state after the chunk. With
+// dRu = Ti^T dU its products shrink: W's gradient path is -(beta Gam k)^T dRu into dS, -dRu S^T into k,
+// and dA = -strict_lower(dRu U^T).
 #include <omp.h>
 
 #include <algorithm>
@@ -24,7 +27,7 @@
 // Field for field the ctypes.Structure DeltaArgs in lintrans/ops/native/delta_rule.py.
 struct DeltaArgs {
   const void *q, *k, *v, *beta, *ld, *S0;  // q, k [B, T, H, Dk]; v [B, T, H, Dv]; beta, ld [B|1, T, H]; S0 [B, H, Dk, Dv]
-  void *o, *states, *S_end;                // o [B, T, H, Dv]; states [B, H, nck, Dk, Dv]; S_end [B, H, Dk, Dv]
+  void *o, *u, *states, *S_end;            // o, u (U's rows) [B, T, H, Dv]; states [B, H, nck, Dk, Dv]; S_end
   const void *dout, *dS_end;               // backward: do [B, T, H, Dv] (strides sdo), dS_end [B, H, Dk, Dv]
   void *dq, *dk, *dv, *dbeta, *dld, *dS0;  // dq, dk [B, T, H, Dk], dv [B, T, H, Dv], dbeta, dld [B, T, H]
   int64_t B, T, H, Dk, Dv;
@@ -61,20 +64,19 @@ void unit_lower_inverse(int64_t cl, int64_t c, const T* A, T* Ti) {
 template <typename T>
 struct Work {
   int64_t c, Dk, Dv;
-  std::vector<T> q, k, v, beta, Gam, kap, E, A, Ti, Kk, P, R, X, U, kh, qG;
+  std::vector<T> q, k, v, beta, Gam, kap, E, A, Ti, Kk, P, R, U, kh, qG, KS;
   std::vector<T> rq, rk;  // each row's 1 / sqrt(x.x + 1e-6) with l2 (backward maps gradients through it)
   std::vector<double> b;
   // backward
-  std::vector<T> dO, dU, dP, dR, dq, dk, dv, dbeta, dSn, dqi, dkh, db;
+  std::vector<T> dO, dU, dRu, dRw, dP, dq, dk, dv, dbeta, dSn, dqi, dkh, bgk, db;
   Work(int64_t c, int64_t Dk, int64_t Dv, bool backward)
       : c(c), Dk(Dk), Dv(Dv), q(c * Dk), k(c * Dk), v(c * Dv), beta(c), Gam(c), kap(c), E(c * c), A(c * c),
-        Ti(c * c), Kk(c * c), P(c * c), R(c * (Dk + Dv)), X(c * (Dk + Dv)), U(c * Dv), kh(c * Dk), qG(c * Dk), rq(c), rk(c), b(c) {
+        Ti(c * c), Kk(c * c), P(c * c), R(c * Dv), U(c * Dv), kh(c * Dk), qG(c * Dk), KS(c * Dv), rq(c), rk(c),
+        b(c) {
     if (!backward) return;
-    for (auto* x : {&dO, &dU}) x->resize(c * Dv);
-    for (auto* x : {&dP}) x->resize(c * c);
-    dR.resize(c * (Dk + Dv));
-    for (auto* x : {&dq, &dk, &dqi, &dkh}) x->resize(c * Dk);
-    dv.resize(c * Dv);
+    for (auto* x : {&dO, &dU, &dRu, &dv}) x->resize(c * Dv);
+    for (auto* x : {&dRw, &dq, &dk, &dqi, &dkh, &bgk}) x->resize(c * Dk);
+    dP.resize(c * c);
     dbeta.resize(c);
     db.resize(c);
     dSn.resize(Dk * Dv);
@@ -119,10 +121,10 @@ inline void unload_grad(const T* x, const T* dy, T* dx, int64_t n, int64_t l2, T
 }
 
 // Gather the chunk's rows and build everything of it that does not depend on the state:
-// b, E, Gam, kap, A (with Kk), [W | U~] in X, kh = kap k, qG = Gam q, P = lower(q k^T) E.
+// b, E, Gam, kap, Kk, A, Ti, kh = kap k, qG = Gam q, P = lower(q k^T) E.
 template <typename T>
 void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_t t0, int64_t cl, bool gated) {
-  const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c, n = Dk + Dv;
+  const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c;
   const T scale = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
     load_row(row<T>(a.q, a.sq, bi, t0 + i, h), &w.q[i * Dk], Dk, a.l2, scale, w.rq[i]);
@@ -145,7 +147,7 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
       for (int64_t j = 0; j <= i; ++j) Ei[j] = vexp(Ei[j]);
     }
   }
-  // Kk = k k^T (lower part used), then A = strict_lower(beta_i Kk E)
+  // Kk = k k^T (lower part), A = strict_lower(beta_i Kk E), Ti = (I + A)^-1
   tril_of_product<T>(cl, Dk, w.k.data(), Dk, w.k.data(), Dk, w.Kk.data(), c);
   for (int64_t i = 0; i < cl; ++i) {
     const T bi_ = w.beta[i];
@@ -160,19 +162,7 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
       for (int64_t j = 0; j < i; ++j) Ai[j] = bi_ * Ki[j];
     }
   }
-  // X = (I + A)^-1 [beta Gam k | beta v]
-  for (int64_t i = 0; i < cl; ++i) {
-    const T bk = w.beta[i] * (gated ? w.Gam[i] : T(1)), bv = w.beta[i];
-    T* Xi = &w.R[i * n];
-    const T *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
-#pragma omp simd
-    for (int64_t j = 0; j < Dk; ++j) Xi[j] = bk * ki[j];
-#pragma omp simd
-    for (int64_t j = 0; j < Dv; ++j) Xi[Dk + j] = bv * vi[j];
-  }
   unit_lower_inverse<T>(cl, c, w.A.data(), w.Ti.data());
-  tril_times<T>(cl, n, w.Ti.data(), c, w.R.data(), n, 0, w.X.data(), n);
-  // kh = kap k, qG = Gam q
   for (int64_t i = 0; i < cl; ++i) {
     const T ka = gated ? w.kap[i] : T(1), ga = gated ? w.Gam[i] : T(1);
 #pragma omp simd
@@ -181,7 +171,6 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
       w.qG[i * Dk + j] = ga * w.q[i * Dk + j];
     }
   }
-  // P = lower(q k^T) * E (entries above the diagonal zeroed)
   tril_of_product<T>(cl, Dk, w.q.data(), Dk, w.k.data(), Dk, w.P.data(), c);
   for (int64_t i = 0; i < cl; ++i) {
     T* Pi = &w.P[i * c];
@@ -194,21 +183,27 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
   }
 }
 
-// U = U~ - W S (W, U~ the columns of X)
+// U = Ti (beta (v - Gam k S)): the values the chunk writes, given the state S entering it
 template <typename T>
-void values_written(Work<T>& w, int64_t cl, const T* S) {
-  const int64_t Dk = w.Dk, Dv = w.Dv, n = Dk + Dv;
-  for (int64_t i = 0; i < cl; ++i) std::memcpy(&w.U[i * Dv], &w.X[i * n + Dk], Dv * sizeof(T));
-  gemm<T>(false, false, cl, Dv, Dk, T(-1), w.X.data(), n, S, Dv, 1, w.U.data(), Dv);
+void values_written(Work<T>& w, int64_t cl, const T* S, bool gated) {
+  const int64_t Dk = w.Dk, Dv = w.Dv;
+  gemm<T>(false, false, cl, Dv, Dk, w.k.data(), Dk, S, Dv, 0, w.KS.data(), Dv);
+  for (int64_t i = 0; i < cl; ++i) {
+    const T bv = w.beta[i], bg = -bv * (gated ? w.Gam[i] : T(1));
+    T* Ri = &w.R[i * Dv];
+    const T *vi = &w.v[i * Dv], *ks = &w.KS[i * Dv];
+#pragma omp simd
+    for (int64_t j = 0; j < Dv; ++j) Ri[j] = bv * vi[j] + bg * ks[j];
+  }
+  tril_times<T>(cl, Dv, w.Ti.data(), w.c, w.R.data(), Dv, 0, w.U.data(), Dv);
 }
 
 // S <- gam S + kh^T U
 template <typename T>
 void advance(Work<T>& w, int64_t cl, T* S, bool gated) {
   const int64_t Dk = w.Dk, Dv = w.Dv;
-  T gam = T(1);
   if (gated) {
-    gam = T(std::exp(w.b[cl - 1]));
+    const T gam = T(std::exp(w.b[cl - 1]));
 #pragma omp simd
     for (int64_t j = 0; j < Dk * Dv; ++j) S[j] *= gam;
   }
@@ -233,12 +228,15 @@ int forward(const DeltaArgs& a) {
         const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
         std::memcpy(static_cast<T*>(a.states) + (bh * nck + m) * KV, S.data(), KV * sizeof(T));
         prepare_chunk(a, w, bi, h, t0, cl, gated);
-        values_written(w, cl, S.data());
+        values_written(w, cl, S.data(), gated);
         // o = P U + qG S
         tril_times<T>(cl, Dv, w.P.data(), c, w.U.data(), Dv, 0, o.data(), Dv);
         gemm<T>(false, false, cl, Dv, Dk, w.qG.data(), Dk, S.data(), Dv, 1, o.data(), Dv);
-        T* out = static_cast<T*>(a.o) + ((bi * a.T + t0) * a.H + h) * Dv;
-        for (int64_t i = 0; i < cl; ++i) std::memcpy(out + i * a.H * Dv, &o[i * Dv], Dv * sizeof(T));
+        const int64_t first = (bi * a.T + t0) * a.H + h;
+        for (int64_t i = 0; i < cl; ++i) {
+          std::memcpy(static_cast<T*>(a.o) + (first + i * a.H) * Dv, &o[i * Dv], Dv * sizeof(T));
+          std::memcpy(static_cast<T*>(a.u) + (first + i * a.H) * Dv, &w.U[i * Dv], Dv * sizeof(T));
+        }
         advance(w, cl, S.data(), gated);
       }
       std::memcpy(static_cast<T*>(a.S_end) + bh * KV, S.data(), KV * sizeof(T));
@@ -249,7 +247,7 @@ int forward(const DeltaArgs& a) {
 
 template <typename T>
 int backward(const DeltaArgs& a) {
-  const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, n = Dk + Dv, c = a.chunk, nck = (a.T + c - 1) / c;
+  const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, c = a.chunk, nck = (a.T + c - 1) / c;
   const bool gated = a.ld != nullptr;
   Status status;
 #pragma omp parallel num_threads(a.threads)
@@ -265,20 +263,27 @@ int backward(const DeltaArgs& a) {
         const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
         const T* S = static_cast<const T*>(a.states) + (bh * nck + m) * KV;
         prepare_chunk(a, w, bi, h, t0, cl, gated);
-        values_written(w, cl, S);
-        for (int64_t i = 0; i < cl; ++i)
+        const int64_t first = (bi * a.T + t0) * a.H + h;
+        for (int64_t i = 0; i < cl; ++i) {
+          std::memcpy(&w.U[i * Dv], static_cast<const T*>(a.u) + (first + i * a.H) * Dv, Dv * sizeof(T));
           std::memcpy(&w.dO[i * Dv], row<T>(a.dout, a.sdo, bi, t0 + i, h), Dv * sizeof(T));
-        // dU = P^T dO + kh dS
+        }
+        const T gam = gated ? T(std::exp(w.b[cl - 1])) : T(1);
+        // dU = P^T dO + kh dS;  dRu = Ti^T dU
         tril_t_times<T>(cl, Dv, w.P.data(), c, w.dO.data(), Dv, 0, w.dU.data(), Dv);
         gemm<T>(false, false, cl, Dv, Dk, w.kh.data(), Dk, dS.data(), Dv, 1, w.dU.data(), Dv);
-        // dS_n = qG^T dO + gam dS - W^T dU (dS itself still needed below: build it aside)
-        const T gam = gated ? T(std::exp(w.b[cl - 1])) : T(1);
+        tril_t_times<T>(cl, Dv, w.Ti.data(), c, w.dU.data(), Dv, 0, w.dRu.data(), Dv);
+        // dS before the chunk = gam dS + qG^T dO - (beta Gam k)^T dRu
+        for (int64_t i = 0; i < cl; ++i) {
+          const T bg = w.beta[i] * (gated ? w.Gam[i] : T(1));
+#pragma omp simd
+          for (int64_t j = 0; j < Dk; ++j) w.bgk[i * Dk + j] = bg * w.k[i * Dk + j];
+        }
         std::memcpy(w.dSn.data(), dS.data(), KV * sizeof(T));
         gemm<T>(true, false, Dk, Dv, cl, w.qG.data(), Dk, w.dO.data(), Dv, gam, w.dSn.data(), Dv);
-        gemm<T>(true, false, Dk, Dv, cl, T(-1), w.X.data(), n, w.dU.data(), Dv, 1, w.dSn.data(), Dv);
-        // dP = lower(dO U^T); dq = (dP E) k + Gam (dO S^T); dk = (dP E)^T q
+        gemm<T>(true, false, Dk, Dv, cl, T(-1), w.bgk.data(), Dk, w.dRu.data(), Dv, 1, w.dSn.data(), Dv);
+        // dP = lower(dO U^T), and b's share through P; then dQK = dP E
         tril_of_product<T>(cl, Dv, w.dO.data(), Dv, w.U.data(), Dv, w.dP.data(), c);
-        gemm<T>(false, true, cl, Dk, Dv, w.dO.data(), Dv, S, Dv, 0, w.dqi.data(), Dk);  // d(qG)
         std::fill(w.db.begin(), w.db.begin() + cl, T(0));
         for (int64_t i = 0; i < cl; ++i) {
           T* dPi = &w.dP[i * c];
@@ -290,11 +295,14 @@ int backward(const DeltaArgs& a) {
               const T z = dPi[j] * Pi[j];
               zs += z;
               w.db[j] -= z;
-              dPi[j] *= Ei[j];  // dP E
+              dPi[j] *= Ei[j];
             }
             w.db[i] += zs;
           }
         }
+        // dqi = dO S^T (the gradient of qG), dRw = -dRu S^T (of beta Gam k through W)
+        gemm<T>(false, true, cl, Dk, Dv, w.dO.data(), Dv, S, Dv, 0, w.dqi.data(), Dk);
+        gemm<T>(false, true, cl, Dk, Dv, T(-1), w.dRu.data(), Dv, S, Dv, 0, w.dRw.data(), Dk);
         tril_times<T>(cl, Dk, w.dP.data(), c, w.k.data(), Dk, 0, w.dq.data(), Dk);
         tril_t_times<T>(cl, Dk, w.dP.data(), c, w.q.data(), Dk, 0, w.dk.data(), Dk);
         for (int64_t i = 0; i < cl; ++i) {
@@ -307,15 +315,11 @@ int backward(const DeltaArgs& a) {
           }
           if (gated) w.db[i] += dot;
         }
-        // dR = (I + A)^-T [-dU S^T | dU]
-        gemm<T>(false, true, cl, Dk, Dv, T(-1), w.dU.data(), Dv, S, Dv, 0, w.R.data(), n);
-        for (int64_t i = 0; i < cl; ++i) std::memcpy(&w.R[i * n + Dk], &w.dU[i * Dv], Dv * sizeof(T));
-        tril_t_times<T>(cl, n, w.Ti.data(), c, w.R.data(), n, 0, w.dR.data(), n);
-        // dA = -strict_lower(dRw W^T + dRu U~^T) = -strict_lower(dR X^T), into dP's place
-        tril_of_product<T>(cl, n, w.dR.data(), n, w.X.data(), n, w.dP.data(), c);  // -dA
+        // -dA = strict_lower(dRu U^T), into dP's place
+        tril_of_product<T>(cl, Dv, w.dRu.data(), Dv, w.U.data(), Dv, w.dP.data(), c);
         for (int64_t i = 0; i < cl; ++i) {
           const T bi_ = w.beta[i];
-          const T *dRw = &w.dR[i * n], *dRu = &w.dR[i * n + Dk], *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
+          const T *dRw = &w.dRw[i * Dk], *dRu = &w.dRu[i * Dv], *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
           T rw = 0, ru = 0;
 #pragma omp simd reduction(+ : rw)
           for (int64_t j = 0; j < Dk; ++j) rw += dRw[j] * ki[j];
@@ -328,14 +332,12 @@ int backward(const DeltaArgs& a) {
           for (int64_t j = 0; j < Dv; ++j) w.dv[i * Dv + j] = bi_ * dRu[j];
           T* dAi = &w.dP[i * c];
           const T* Ki = &w.Kk[i * c];
-#pragma omp simd
-          for (int64_t j = 0; j < i; ++j) dAi[j] = -dAi[j];
           T dbA = 0;
           if (gated) {
             const T* Ei = &w.E[i * c];
             T zs = 0;
             for (int64_t j = 0; j < i; ++j) {
-              const T dae = dAi[j] * Ei[j];
+              const T dae = -dAi[j] * Ei[j];
               dbA += dae * Ki[j];
               const T z = dae * bi_ * Ki[j];
               zs += z;
@@ -346,8 +348,9 @@ int backward(const DeltaArgs& a) {
           } else {
 #pragma omp simd reduction(+ : dbA)
             for (int64_t j = 0; j < i; ++j) {
-              dbA += dAi[j] * Ki[j];
-              dAi[j] *= bi_;
+              const T da = -dAi[j];
+              dbA += da * Ki[j];
+              dAi[j] = bi_ * da;
             }
           }
           std::fill(dAi + i, dAi + cl, T(0));
@@ -382,7 +385,7 @@ int backward(const DeltaArgs& a) {
         // scatter; d log_decay_t = sum of db_i over the chunk's rows i >= t (b is their cumulative sum)
         T acc = 0;
         for (int64_t i = cl - 1; i >= 0; --i) {
-          const int64_t t = t0 + i, o = ((bi * a.T + t) * a.H + h);
+          const int64_t t = t0 + i, o = first + i * a.H;
           unload_grad(row<T>(a.q, a.sq, bi, t, h), &w.dq[i * Dk], static_cast<T*>(a.dq) + o * Dk, Dk, a.l2,
                       T(a.scale), w.rq[i]);
           unload_grad(row<T>(a.k, a.sk, bi, t, h), &w.dk[i * Dk], static_cast<T*>(a.dk) + o * Dk, Dk, a.l2, T(1),

@@ -9,7 +9,7 @@ from .binding import I3, P, call, empty, last_contiguous, ptr, require, strides,
 
 
 class DeltaArgs(ctypes.Structure):
-    _fields_ = [(n, P) for n in ("q", "k", "v", "beta", "ld", "S0", "o", "states", "S_end", "dout", "dS_end",
+    _fields_ = [(n, P) for n in ("q", "k", "v", "beta", "ld", "S0", "o", "u", "states", "S_end", "dout", "dS_end",
                                   "dq", "dk", "dv", "dbeta", "dld", "dS0")] + \
                [(n, ctypes.c_int64) for n in ("B", "T", "H", "Dk", "Dv")] + \
                [(n, I3) for n in ("sq", "sk", "sv", "sbeta", "sld", "sdo")] + \
@@ -56,22 +56,23 @@ def _states_shape(q, v, chunk):
 @torch.compiler.disable
 def forward(q, k, v, beta, ld, S0, chunk: int, l2: bool, scale: float):
     """q, k [B, T, H, Dk] (L2-normalised here with ``l2``; q then times ``scale``), v [B, T, H, Dv], beta [B, T, H], ld
-    [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], states [B, H, nck, Dk, Dv], S_end)."""
+    [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], u (the values written, for backward) [B, T, H, Dv],
+    states [B, H, nck, Dk, Dv], S_end)."""
     q, k, v = map(last_contiguous, (q, k, v))
     a = _args(q, k, v, beta, ld, chunk, l2, scale)
     B, T, H, Dk = q.shape
     S0 = S0.contiguous()
     require(S0.shape == (B, H, Dk, v.shape[-1]) and S0.dtype == q.dtype, f"S0 must be [B, H, Dk, Dv], got {tuple(S0.shape)}")
-    o = empty((B, T, H, v.shape[-1]), q)
+    o, u = empty((B, T, H, v.shape[-1]), q), empty((B, T, H, v.shape[-1]), q)
     states = empty(_states_shape(q, v, chunk), q)
     S_end = torch.empty_like(S0)
-    a.S0, a.o, a.states, a.S_end = ptr(S0), ptr(o), ptr(states), ptr(S_end)
+    a.S0, a.o, a.u, a.states, a.S_end = ptr(S0), ptr(o), ptr(u), ptr(states), ptr(S_end)
     call("lt_delta_forward", q.dtype, a)
-    return o, states, S_end
+    return o, u, states, S_end
 
 
 @torch.compiler.disable
-def backward(q, k, v, beta, ld, states, do, dS_end, chunk: int, l2: bool, scale: float):
+def backward(q, k, v, beta, ld, u, states, do, dS_end, chunk: int, l2: bool, scale: float):
     """(dq, dk, dv, dbeta, dld or None, dS0), dld [B|1, T, H] as ld."""
     q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
     a = _args(q, k, v, beta, ld, chunk, l2, scale)
@@ -79,13 +80,14 @@ def backward(q, k, v, beta, ld, states, do, dS_end, chunk: int, l2: bool, scale:
     Dv = v.shape[-1]
     require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
     require(states.shape == _states_shape(q, v, chunk) and states.is_contiguous(), "states must be forward's")
+    require(u.shape == (B, T, H, Dv) and u.is_contiguous() and u.dtype == q.dtype, "u must be forward's")
     dS_end = dS_end.to(q.dtype).contiguous()
     require(dS_end.shape == (B, H, Dk, Dv), "dS_end must be [B, H, Dk, Dv]")
     dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
     dbeta = empty((B, T, H), q)
     dld = None if ld is None else empty((B, T, H), q)
     dS0 = torch.empty_like(dS_end)
-    a.states, a.dout, a.dS_end, a.sdo = ptr(states), ptr(do), ptr(dS_end), strides(do)
+    a.u, a.states, a.dout, a.dS_end, a.sdo = ptr(u), ptr(states), ptr(do), ptr(dS_end), strides(do)
     a.dq, a.dk, a.dv, a.dbeta, a.dld, a.dS0 = ptr(dq), ptr(dk), ptr(dv), ptr(dbeta), ptr(dld), ptr(dS0)
     call("lt_delta_backward", q.dtype, a)
     if dld is not None and ld.shape[0] == 1 and B > 1:
