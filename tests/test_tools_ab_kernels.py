@@ -29,9 +29,10 @@ def test_native_against_fallback_writes_a_row_per_op_and_T(tmp_path, monkeypatch
     monkeypatch.setattr(tool, "matmul_probe", lambda: {})
     out = tmp_path / "ab.jsonl"
     tool.main(["--T", "37", "--H", "2", "--D", "8", "--rounds", "1", "--threads", "1",
-               "--ops", "chunked", "gated", "aft", "sliding-window", "--window", "5", "--out", str(out)])
+               "--ops", "chunked", "gated", "aft", "sliding-window", "delta", "gated-delta", "--window", "5",
+               "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["op"] for r in rows] == ["chunked", "gated", "aft", "sliding-window"]
+    assert [r["op"] for r in rows] == ["chunked", "gated", "aft", "sliding-window", "delta", "gated-delta"]
     assert set(rows[2]["results"]) == {"aft native", "aft pytorch", "chunked native"}
     assert "vector_features" in rows[0]["machine"]
 

@@ -14,7 +14,7 @@ machine hits them alike; median, fastest and first quartile of the wall time and
 process CPU time are reported (with ``--threads 1`` the CPU time is the work itself, whatever else
 runs). Forward + ``backward(do)`` on [B, T, H, D] float32 tensors.
 
-    python tools/ab_kernels.py --T 4096 16384 --ops chunked gated aft sliding-window
+    python tools/ab_kernels.py --T 4096 16384 --ops chunked gated aft sliding-window delta gated-delta
     python tools/ab_kernels.py --builds OLD.so NEW.so --T 4096 16384 65536 --rounds 8
     python tools/ab_kernels.py --T 16384 --H 2 --threads 1 --out ab.jsonl   # one JSON line per op and T
 
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from lintrans.bench.machine import machine_info, matmul_probe  # noqa: E402
-from lintrans.ops import aft, linear_attention, native, sliding_window_attention  # noqa: E402
+from lintrans.ops import aft, delta_rule, linear_attention, native, sliding_window_attention  # noqa: E402
 
-OPS = ("chunked", "gated", "aft", "sliding-window")
+OPS = ("chunked", "gated", "aft", "sliding-window", "delta", "gated-delta")
 
 
 def _vector_features() -> str:
@@ -63,6 +63,10 @@ def _op(name: str, chunk_size: int, window: int) -> Callable:
         return lambda q, k, v: aft(q, k, v, variant="simple")
     if name == "sliding-window":
         return lambda q, k, v: sliding_window_attention(q, k, v, window=window)
+    if name in ("delta", "gated-delta"):  # beta and the gate from the input, as a layer computes them
+        return lambda q, k, v: delta_rule(
+            q, k, v, torch.sigmoid(k[..., 0]), chunk_size=chunk_size,
+            log_decay=-torch.nn.functional.softplus(q[..., 0]) / 16 if name == "gated-delta" else None)[0]
     raise ValueError(f"--ops: unknown op {name!r}; allowed: {', '.join(OPS)}")
 
 
