@@ -120,11 +120,21 @@ def test_init_and_param_count_match_nanogpt():
 
 
 def test_gqa_shapes_and_swiglu():
-    model = GPT(tiny(n_kv_head=1, mlp="swiglu"))
+    model = GPT(tiny(n_kv_head=1, mlp="swiglu")).double().eval()
     assert model.transformer.h[0].attn.c_attn.weight.shape == ((4 + 2) * 8, 32)
     logits, _ = model(torch.randint(0, 61, (2, 5)))
     assert logits.shape == (2, 5, 61)
-    assert model.transformer.h[0].mlp.c_fc.weight.shape[0] == 2 * model.transformer.h[0].mlp.c_proj.weight.shape[1]
+    # SwiGLU: c_proj(silu(gate) * value), gate the first half of c_fc's outputs; the hidden width is
+    # 2/3 of GELU's 4 x 32, rounded up to 8 (88), so its three matrices cost what GELU's two do
+    mlp, h = model.transformer.h[0].mlp, 88
+    assert mlp.c_fc.weight.shape == (2 * h, 32) and mlp.c_proj.weight.shape == (32, h)
+    with torch.no_grad():  # biases start at zero: make them count
+        mlp.c_fc.bias.normal_()
+        mlp.c_proj.bias.normal_()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    gate, value = (x @ mlp.c_fc.weight[s].T + mlp.c_fc.bias[s] for s in (slice(0, h), slice(h, 2 * h)))
+    want = (gate * torch.sigmoid(gate) * value) @ mlp.c_proj.weight.T + mlp.c_proj.bias
+    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads():
