@@ -300,7 +300,7 @@ def build_profile(args: BenchOptions) -> Profile:
 
 def run(args) -> int:
     from lintrans.config import apply_flags, flag_name
-    from lintrans.train.distributed import resolve_device
+    from lintrans.device import resolve_device
 
     try:
         opts = apply_flags(BenchOptions(), args, dest="opt:", label=flag_name)

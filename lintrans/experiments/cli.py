@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--plot-only needs an existing record {path}")
             record = json.loads(path.read_text())
         else:
-            from lintrans.train.distributed import resolve_device
+            from lintrans.device import resolve_device
 
             device = str(resolve_device(opts.device, what="--device"))  # before any work
             settings = resolve(mod, args, opts.quick, opts.setting)

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .hf import from_pretrained, load_model
 
-    from lintrans.train.distributed import resolve_device
+    from lintrans.device import resolve_device
 
     try:
         args.device = resolve_device(args.device, what="--device")
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.tokenizer or _saved_tokenizer(args.checkpoint) or (
         "bytes" if model.config.vocab_size == 257 and not args.hf else "gpt2"
     )
-    from lintrans.train.tokenizer import get_tokenizer
+    from lintrans.tokenizer import get_tokenizer
 
     tok = get_tokenizer(name)
     if tok.vocab_size > model.config.vocab_size:

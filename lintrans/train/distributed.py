@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lintrans.device import resolve_device  # also importable from here, its old home
+
 
 @dataclass
 class DistInfo:
@@ -46,26 +48,6 @@ class DistInfo:
     @property
     def dp_size(self) -> int:
         return self.world_size // self.cp_size
-
-
-def resolve_device(name: str, local_rank: int = 0, what: str = "train.device") -> torch.device:
-    """``name`` (auto, cpu, cuda, cuda:N, mps) as a usable device; ValueError naming ``what`` if not."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"{what} must be auto, cpu, cuda, cuda:N or mps, got {name!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{what} is {name!r} but no CUDA device is available")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"{what} is 'mps' but MPS is not available")
-    return device
 
 
 def init_distributed(device_name: str, context_parallel: int = 1) -> DistInfo:
