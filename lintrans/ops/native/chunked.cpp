@@ -22,7 +22,7 @@
 
 #include "cpu_kernels.h"
 #include "simd_math.h"
-#include "tril_products.h"
+#include "chunk_common.h"
 
 namespace {
 
@@ -90,16 +90,6 @@ struct ChunkedArgs {
 LINTRANS_EXPORT_SIZEOF(ChunkedArgs)
 
 namespace {
-
-// Rows of one head lie H * D apart in [B, T, H, D]. Each row walk asks for the row kAhead rows
-// further on as it reads one, so that a steady few misses are in flight: asking for a whole chunk at
-// once overflows the miss queue, and its lines, 4 KiB-aliased, evict each other from L1 before use.
-constexpr int64_t kAhead = 32;
-
-template <typename T>
-inline void prefetch_row(const T* x, int64_t n) {
-  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + i);
-}
 
 // out[0:n] = sum over rows i < m of w_i x[i * ld : i * ld + n], w_i = w[i * ldw] (1 where w is null),
 // row by row so that the loop over n vectorizes

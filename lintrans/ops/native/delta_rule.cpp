@@ -22,7 +22,7 @@
 
 #include "cpu_kernels.h"
 #include "simd_math.h"
-#include "tril_products.h"
+#include "chunk_common.h"
 
 // Field for field the ctypes.Structure DeltaArgs in lintrans/ops/native/delta_rule.py.
 struct DeltaArgs {
@@ -127,6 +127,11 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
   const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c;
   const T scale = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
+    if (t0 + i + kAhead < a.T) {  // rows of a head lie H * D apart: ask for later ones while reading this one
+      prefetch_row(row<T>(a.q, a.sq, bi, t0 + i + kAhead, h), Dk);
+      prefetch_row(row<T>(a.k, a.sk, bi, t0 + i + kAhead, h), Dk);
+      prefetch_row(row<T>(a.v, a.sv, bi, t0 + i + kAhead, h), Dv);
+    }
     load_row(row<T>(a.q, a.sq, bi, t0 + i, h), &w.q[i * Dk], Dk, a.l2, scale, w.rq[i]);
     load_row(row<T>(a.k, a.sk, bi, t0 + i, h), &w.k[i * Dk], Dk, a.l2, T(1), w.rk[i]);
     std::memcpy(&w.v[i * Dv], row<T>(a.v, a.sv, bi, t0 + i, h), Dv * sizeof(T));

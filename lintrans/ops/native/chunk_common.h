@@ -1,5 +1,5 @@
-// Products with a causal (lower triangular) [cl, cl] matrix, shared by the chunked kernels
-// (chunked.cpp, delta_rule.cpp).
+// What the chunked kernels (chunked.cpp, delta_rule.cpp) share: walking a head's rows with a steady
+// prefetch, and products with a causal (lower triangular) [cl, cl] matrix.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,16 @@
 #include "cpu_kernels.h"
 
 namespace lintrans_cpu {
+
+// Rows of one head lie H * D apart in [B, T, H, D]. Each row walk asks for the row kAhead rows
+// further on as it reads one, so that a steady few misses are in flight: asking for a whole chunk at
+// once overflows the miss queue, and its lines, 4 KiB-aliased, evict each other from L1 before use.
+constexpr int64_t kAhead = 32;
+
+template <typename T>
+inline void prefetch_row(const T* x, int64_t n) {
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + i);
+}
 
 // The in-chunk products with a causal [cl, cl] matrix L, in two row blocks split at h: the upper right
 // block of L (rows < h, columns >= h) is zero, so the products skip it, a quarter of their work
