@@ -175,12 +175,10 @@ def test_size_names_short_and_long(capsys):
 
 def test_shipped_config_names_are_sizes(capsys):
     """`train --config gpt2-124m` and `cost --size gpt2-124m` name the same model."""
-    import tomllib
-    from importlib.resources import files
-
     from lintrans.bench.sizes import SIZES, resolve_size
+    from lintrans.train.config import read_config_file  # tomllib, or tomli on Python 3.10
 
-    model = tomllib.loads(files("lintrans.configs").joinpath("gpt2-124m.toml").read_text())["model"]
+    model = read_config_file("gpt2-124m")["model"]
     assert SIZES[resolve_size("gpt2-124m")] == (model["n_layer"], model["n_head"], model["n_embd"])
     assert main(["cost", "--size", "gpt2-124m", "--T", "1024"]) == 0
     assert "124,439,808" in capsys.readouterr().out
