@@ -69,7 +69,7 @@ class BenchOptions:
     T: Optional[list[int]] = field(default=None, metadata={
         "help": "exactly these contexts instead of the powers of two up to --max-T"})
     decoders: Optional[list[str]] = field(default=None, metadata={
-        "help": "generate: which caches to decode with, softmax and/or linear (default both)"})
+        "help": "generate: which caches to decode with: softmax, linear, gated-deltanet (default softmax and linear)"})
     time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops"})
     memory_cap_gb: Optional[float] = field(default=None, metadata={
         "help": "predicted peak past which a curve stops (default: half the available memory)"})
@@ -258,9 +258,11 @@ def build_profile(args: BenchOptions) -> Profile:
             raise SystemExit(f"lintrans bench: --T must be >= 1, got {args.T}")
         prof.ops_T = prof.train_T = prof.generate_T = sorted(set(args.T))
     if args.decoders:
-        bad = [d for d in args.decoders if d not in ("softmax", "linear")]
+        from .generate import DECODERS
+
+        bad = [d for d in args.decoders if d not in DECODERS]
         if bad:
-            raise SystemExit(f"lintrans bench: --decoders must be among ['softmax', 'linear'], got {bad[0]!r}")
+            raise SystemExit(f"lintrans bench: --decoders must be among {list(DECODERS)}, got {bad[0]!r}")
         prof.decoders = tuple(dict.fromkeys(args.decoders))
     if args.time_cap:
         prof.caps.time_s = args.time_cap

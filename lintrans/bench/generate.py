@@ -47,12 +47,13 @@ def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str 
     return step, extra
 
 
-DECODERS = {"softmax": "softmax KV cache", "linear": "linear state"}  # attention -> series name
+# attention -> series name
+DECODERS = {"softmax": "softmax KV cache", "linear": "linear state", "gated-deltanet": "gated-deltanet state"}
 
 
 def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str = "cpu", on_point=None,
                  decoders=tuple(DECODERS)) -> list[Point]:
-    """``decoders``: which of softmax and linear to run (the softmax prefill of a long context with a
+    """``decoders``: which of ``DECODERS`` to run (the softmax prefill of a long context with a
     large model takes minutes; its cache is in ``decode_lines`` from the cost model either way)."""
     max_T = max(Ts)
     series = [Series(DECODERS[a], lambda T, a=a: make_decode_step(size, T, a, max_T, device), measure_memory=False)
