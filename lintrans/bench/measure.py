@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .machine import synchronize
-from .trend import rose_too_fast
+from .trend import rose_too_far
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _libc = None
@@ -142,7 +142,7 @@ class Caps:
     # timed repeats at least (never more than `repeats`) where two or more series are timed side by
     # side: one round of A B C leaves each series one sample, and one slow moment decides the ratio
     min_repeats: int = 1
-    # rounds of repeats taken again where a point rose faster than a step can (trend.rose_too_fast)
+    # rounds of repeats taken again where a point rose further than a step can (trend.rose_too_far)
     retimes: int = 1
 
 
@@ -175,9 +175,9 @@ def _growth(prev: list[Point], attr: str) -> float:
 
 def _predicts(ok: list[Point]) -> bool:
     """Whether the last measured points may predict the next one: not when the last still rose
-    faster than a step can (after its re-timing); then the next point is measured, not guessed (its
-    warm-up is cut at the cap either way)."""
-    return len(ok) < 2 or not rose_too_fast(ok[-2].T, ok[-2].time_s, ok[-1].T, ok[-1].time_s)
+    further than a step can (after its re-timing); then the next point is measured, not guessed
+    (its warm-up is cut at the cap either way)."""
+    return len(ok) < 2 or not rose_too_far([(p.T, p.time_s) for p in ok], len(ok) - 1)
 
 
 @dataclass
@@ -276,15 +276,15 @@ def _failed(point: Point, e: BaseException) -> None:
     point.status = "oom" if is_oom(e) else f"error: {type(e).__name__}: {e}"[:200]
 
 
-def _previous(done: Optional[dict], s: Series, point: Point) -> Optional[Point]:
-    """The measured point of ``s`` just before ``point``."""
-    prev = [p for p in (done or {}).get(s.name, []) if p is not point and p.status == "ok" and p.T < point.T]
-    return prev[-1] if prev else None
+def _rose_too_far(done: Optional[dict], s: Series, point: Point) -> bool:
+    """Whether ``point`` rose further than a step can from the measured points of ``s`` before it."""
+    pts = [(p.T, p.time_s) for p in (done or {}).get(s.name, []) if p.status == "ok" and p.T < point.T]
+    return bool(pts) and rose_too_far(pts + [(point.T, point.time_s)], len(pts))
 
 
 def _time_and_size(live: list, caps: Caps, device: str, done: Optional[dict] = None) -> None:
     """Timed repeats of the warmed-up steps, taken in turn, then each one's peak memory. A point
-    that rose faster than a step can from its series' previous one (``done``) was disturbed: the
+    that rose further than a step can from its series' earlier ones (``done``) was disturbed: the
     whole group is timed once more, in turn, and each point keeps its fastest repeat of both."""
     least = caps.min_repeats if len(live) > 1 else 1
     reps = {id(p): max(1, min(caps.repeats, max(least, int(caps.budget_s / max(first, 1e-9)))))
@@ -304,8 +304,7 @@ def _time_and_size(live: list, caps: Caps, device: str, done: Optional[dict] = N
         for s, point, _, _ in live:
             if point.status == "ok":
                 point.time_s = min(point.times_s)
-                prev = _previous(done, s, point)
-                if prev is not None and rose_too_fast(prev.T, prev.time_s, point.T, point.time_s):
+                if _rose_too_far(done, s, point):
                     suspects.append(point)
         if not suspects or attempt == caps.retimes:
             break
