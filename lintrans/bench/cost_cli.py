@@ -10,11 +10,13 @@ from .cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, op_training_flops,
     parameters, speedup_bounds, training_flops,
 )
-from .sizes import SIZES, VOCAB, resolve_size
+from .sizes import ALIASES, SIZES, VOCAB, resolve_size
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default=None, help=f"a benchmark model size, one of {list(SIZES)} (sets the next three)")
+    p.add_argument("--size", default=None, help=f"a benchmark model size, one of {list(SIZES)}, or another name of one "
+                   f"({', '.join(n for n in ALIASES if ' ' not in n)}: GPT-2 124M, the shipped config gpt2-124m); "
+                   "sets the next three")
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
