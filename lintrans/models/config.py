@@ -9,7 +9,7 @@ from lintrans.checks import check_number
 
 MLP_KINDS = ("gelu", "swiglu")
 GELU_APPROXIMATIONS = ("tanh", "none")
-POS_EMBEDDINGS = ("learned", "none")
+POS_EMBEDDINGS = ("learned", "rope", "none")
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:
@@ -46,8 +46,10 @@ class GPTConfig(HeadGeometry):
     attention_options: that mechanism's options (for ``linear``: feature_map, feature_map_options,
     form, chunk_size, normalize, scale, eps). n_kv_head: key/value heads for grouped-query (None =
     n_head, 1 = multi-query). gelu_approximate: ``tanh`` is GPT-2's GELU (Hugging Face parity),
-    ``none`` the exact erf GELU nanoGPT uses. pos_embedding ``none`` drops learned positions
-    (then context length is not limited by block_size for mechanisms that do not need it).
+    ``none`` the exact erf GELU nanoGPT uses. pos_embedding: ``learned`` is GPT-2's position table;
+    ``rope`` rotates the queries and keys of mechanisms that support it (``lintrans.nn.rotary``; no
+    table, so the context is not limited by block_size); ``none`` uses no positions at all (then
+    context length is not limited by block_size for mechanisms that do not need it).
     reversible: the Reformer's reversible residual layers (two streams, activations recomputed in
     the backward pass, so their memory does not grow with n_layer); the same parameters as the
     ordinary GPT, a different function of them (``lintrans.models.reversible``).
@@ -74,8 +76,8 @@ class GPTConfig(HeadGeometry):
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each block in the backward pass: less memory, more time"})
     pos_embedding: str = field(default="learned", metadata={
-        "help": f"one of {list(POS_EMBEDDINGS)}; none drops learned positions (the context is then not limited by "
-                "block_size where the mechanism needs none)"})
+        "help": f"one of {list(POS_EMBEDDINGS)}: learned is GPT-2's table; rope rotates q and k (softmax only); "
+                "none drops positions (the context is then not limited by block_size where the mechanism needs none)"})
     reversible: bool = field(default=False, metadata={
         "help": "the Reformer's reversible residual layers: activation memory flat in n_layer"})
 
@@ -104,6 +106,12 @@ class GPTConfig(HeadGeometry):
         _check_choice("mlp", self.mlp, MLP_KINDS)
         _check_choice("gelu_approximate", self.gelu_approximate, GELU_APPROXIMATIONS)
         _check_choice("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
+        if self.pos_embedding == "rope":
+            if self.head_dim % 2:
+                raise ValueError(f"GPTConfig.pos_embedding='rope' needs an even head_dim (n_embd / n_head), "
+                                 f"got {self.head_dim}")
+            if self.reversible:
+                raise ValueError("GPTConfig.pos_embedding='rope' is not supported with reversible=True")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -57,16 +57,19 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def attend(self, x: torch.Tensor, cache=None, use_cache: bool = False):
-        """The attention half of the block, without its residual: (attn(ln_1(x)), cache)."""
-        return self.attn(self.ln_1(x), cache=cache, use_cache=use_cache)
+    def attend(self, x: torch.Tensor, cache=None, use_cache: bool = False, rope=None):
+        """The attention half of the block, without its residual: (attn(ln_1(x)), cache). ``rope``:
+        the rotary tables (cos, sin) of x's positions, passed only to mechanisms that take them."""
+        if rope is None:
+            return self.attn(self.ln_1(x), cache=cache, use_cache=use_cache)
+        return self.attn(self.ln_1(x), cache=cache, use_cache=use_cache, rope=rope)
 
     def feed(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP half, without its residual: mlp(ln_2(x))."""
         return self.mlp(self.ln_2(x))
 
-    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
-        a, cache = self.attend(x, cache=cache, use_cache=use_cache)
+    def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False, rope=None):
+        a, cache = self.attend(x, cache=cache, use_cache=use_cache, rope=rope)
         x = x + a
         return x + self.feed(x), cache
 
@@ -102,7 +105,13 @@ class GPT(nn.Module):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
-        get_attention(config.attention)  # unknown name -> ValueError listing the registered ones
+        attention = get_attention(config.attention)  # unknown name -> ValueError listing the registered ones
+        if config.pos_embedding == "rope" and not getattr(attention, "ROPE", False):
+            from lintrans.nn.registry import rope_attention
+
+            raise ValueError(f"pos_embedding='rope' rotates queries and keys before a dot-product softmax; attention "
+                             f"{config.attention!r} does not take it (it works with {rope_attention()}); use "
+                             "pos_embedding='none' or 'learned' with this mechanism")
         self.config = config
         self.context_parallel = None  # (group, rank, size): set_context_parallel
         layers = dict(
@@ -208,20 +217,26 @@ class GPT(nn.Module):
                                  f"got {tuple(getattr(x, 'shape', ()))}")
             self._check_length(past + x.shape[1])
         T = x.shape[1]
+        rope = None
         if "wpe" in self.transformer:
             pos = torch.arange(past, past + T, device=x.device)
             x = x + self.transformer.wpe(pos)
+        elif self.config.pos_embedding == "rope":
+            from lintrans.nn.rotary import rope_tables
+
+            rope = rope_tables(torch.arange(past, past + T, device=x.device), self.config.head_dim,
+                               dtype=torch.promote_types(x.dtype, torch.float32))
         x = self.transformer.drop(x)
         if self.config.reversible:
             x = self._reversible(x, cache)
         else:
             for i, block in enumerate(self.transformer.h):
                 if cache is not None:
-                    x, cache.layers[i] = block(x, cache=cache.layers[i], use_cache=True)
+                    x, cache.layers[i] = block(x, cache=cache.layers[i], use_cache=True, rope=rope)
                 elif self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                    x, _ = checkpoint(block, x, use_reentrant=False)
+                    x, _ = checkpoint(block, x, None, False, rope, use_reentrant=False)
                 else:
-                    x, _ = block(x)
+                    x, _ = block(x, rope=rope)
         if cache is not None:
             cache.length = past + T
         return self.transformer.ln_f(x)

@@ -25,6 +25,7 @@ from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
 
 from .feature_maps import Hedgehog, Performer, ReBased
 from .registry import register_attention
+from .rotary import apply_rope
 
 
 @dataclass
@@ -151,7 +152,13 @@ class KVCache:
 
 @register_attention("softmax")
 class SoftmaxAttention(QKVAttention):
-    """Causal scaled dot-product attention (PyTorch SDPA) with a KV cache for decoding."""
+    """Causal scaled dot-product attention (PyTorch SDPA) with a KV cache for decoding.
+
+    With ``rope`` (the cos/sin tables of x's absolute positions, ``lintrans.nn.rotary``) queries and
+    keys are rotated before the cache, so cached keys keep the rotation of their own positions.
+    """
+
+    ROPE = True  # GPTConfig.pos_embedding="rope" works with it
 
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
@@ -165,8 +172,10 @@ class SoftmaxAttention(QKVAttention):
         super().__init__(config)
         check_options("softmax", config.attention_options, self.Options)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False):
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False, rope=None):
         q, k, v = self.qkv(x)  # [B,T,H,D], [B,T,Hkv,D]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H(kv),T,D]
         T = q.shape[2]
         past = 0 if cache is None else cache.length

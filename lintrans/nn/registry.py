@@ -65,3 +65,9 @@ def context_parallel_attention() -> list[str]:
     """Mechanisms that can split a sequence over processes (their class sets ``CONTEXT_PARALLEL``)."""
     _load_providers()
     return sorted(name for name, cls in _REGISTRY.items() if getattr(cls, "CONTEXT_PARALLEL", False))
+
+
+def rope_attention() -> list[str]:
+    """Mechanisms that take rotary position embeddings (their class sets ``ROPE``)."""
+    _load_providers()
+    return sorted(name for name, cls in _REGISTRY.items() if getattr(cls, "ROPE", False))
