@@ -28,3 +28,17 @@ def check_number(name: str, value, *, integer: bool = False, low=None, high=None
 
 def check_positive_int(name: str, value, allow_none: bool = False) -> None:
     check_number(name, value, integer=True, low=1, allow_none=allow_none)
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """ValueError naming ``name`` and the allowed values when ``value`` is not one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def check_known_keys(what: str, given, allowed, where: str = "") -> None:
+    """ValueError listing the keys of ``given`` that are not in ``allowed``, and the allowed ones:
+    ``unknown {what} ['x'] for {where}; allowed: [...]``."""
+    unknown = sorted(set(given) - set(allowed), key=str)
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}{' for ' + where if where else ''}; allowed: {sorted(allowed)}")

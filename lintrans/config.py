@@ -4,13 +4,14 @@ A configuration is a dataclass. Its fields are the keys and their annotations th
 int, float, str, ``Optional[...]``, ``list[...]``, ``Literal[...]``, ``Union[int, Literal["auto"]]``,
 ``dict``, or another dataclass (a section: its keys are ``section.name``). A field's metadata may
 hold ``help`` (the flag's help), ``choices`` (the allowed values), ``low`` / ``high`` (numeric
-bounds, checked by ``lintrans.checks.check_number``) and, on a ``dict`` field, ``schema``: a
+bounds, ``low_open`` / ``high_open`` to exclude them; checked by ``lintrans.checks.check_number``) and, on a ``dict`` field, ``schema``: a
 dataclass whose fields are the keys that dict may hold (a sparse section, e.g. the training
 config's ``model``, whose keys are GPTConfig's).
 
     add_arguments(parser, Cls)    # --name / --section.name flags, one per key, help from the metadata
     given_flags(args)             # the flags given on the command line, as (key, text) pairs
     set_key(obj, key, value)      # one key, converted/checked (ValueError/TypeError naming the key)
+    check_fields(obj)             # every key of a config built in code, checked the same way
     apply_overrides(obj, items)   # "KEY=VALUE" strings, as --set takes them
     from_dict(Cls, data)          # a nested mapping (a TOML/YAML/JSON file) -> Cls; unknown keys rejected
     read_file(path)               # a .toml/.yaml/.yml/.json file -> dict
@@ -31,7 +32,9 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
-from lintrans.checks import check_number
+from lintrans.checks import check_choice, check_number
+
+BOUNDS = ("low", "high", "low_open", "high_open")  # field metadata passed to check_number
 
 Label = Callable[[str], str]
 
@@ -96,7 +99,7 @@ def describe(typ, meta: Optional[dict] = None) -> str:
     elif origin is Literal:
         text = f"one of {list(typing.get_args(typ))}"
     elif origin is Union:
-        bounds = {k: meta[k] for k in ("low", "high") if k in meta}
+        bounds = {k: meta[k] for k in BOUNDS if k in meta}
         text = " or ".join(describe(a, bounds) for a in typing.get_args(typ))
     elif origin is list:
         (item,) = typing.get_args(typ) or (Any,)
@@ -106,8 +109,10 @@ def describe(typ, meta: Optional[dict] = None) -> str:
     elif typ in (int, float):
         text = "an int" if typ is int else "a number"
         low, high = meta.get("low"), meta.get("high")
-        text += f" in [{low}, {high}]" if low is not None and high is not None else (
-            f" >= {low}" if low is not None else f" <= {high}" if high is not None else "")
+        lo, hi = meta.get("low_open"), meta.get("high_open")
+        text += f" in {'(' if lo else '['}{low}, {high}{')' if hi else ']'}" if low is not None and high is not None \
+            else f" {'>' if lo else '>='} {low}" if low is not None else f" {'<' if hi else '<='} {high}" \
+            if high is not None else ""
     else:
         name = getattr(typ, "__name__", str(typ))
         text = ("an " if name[0] in "aeiou" else "a ") + name
@@ -174,14 +179,14 @@ def convert(name: str, value, typ, meta: Optional[dict] = None, *, from_text: bo
                     error = e  # a number out of range says more than "not one of the types"
         raise error if error is not None else bad()
     if origin is Literal:
-        if isinstance(value, bool) or value not in typing.get_args(base):
+        if isinstance(value, bool):
             raise bad(ValueError)
+        check_choice(name, value, typing.get_args(base))
         return value
     if meta.get("choices") is not None:
         if base in (int, float, str, bool) and not isinstance(value, base):
             raise bad()
-        if value not in meta["choices"]:
-            raise bad(ValueError)
+        check_choice(name, value, meta["choices"])
         return value
     if origin is list:
         if from_text and isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) \
@@ -203,7 +208,7 @@ def convert(name: str, value, typ, meta: Optional[dict] = None, *, from_text: bo
             value = float(value)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
-        check_number(name, value, integer=base is int, low=meta.get("low"), high=meta.get("high"), allow_none=optional)
+        check_number(name, value, integer=base is int, allow_none=optional, **{k: meta[k] for k in BOUNDS if k in meta})
         return value
     if base is Any:
         return value
@@ -306,6 +311,19 @@ def from_dict(cls, data: dict, *, label: Label = config_key):
     for key, value in flatten(cls, data).items():
         set_key(obj, key, value, label=label)
     return obj
+
+
+def check_fields(obj, *, label: Label = config_key, prefix: str = "") -> None:
+    """Check every key of the dataclass instance ``obj`` (sections included) against its type and
+    field metadata, as ``set_key`` checks a key set one at a time; a float key given an int becomes
+    a float. For configs built in code (``GPTConfig(n_layer=0)``) and after their keys were set."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            check_fields(value, label=label, prefix=f"{prefix}{f.name}.")
+        else:
+            setattr(obj, f.name, convert(label(prefix + f.name), value, hints[f.name], dict(f.metadata)))
 
 
 def to_dict(obj) -> dict:

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from lintrans._io import atomic_write_text
-from lintrans.checks import check_number
+from lintrans.checks import check_positive_int
 from lintrans.config import set_key
 
 RUNS_DIR = "runs"
@@ -160,7 +160,7 @@ class Runner:
     def __init__(self, fn_name: str, out, *, jobs: int = 1, progress: bool = True,
                  units: Callable[[dict], int] = lambda spec: spec.get("steps", 1), desc: str = "",
                  device: str = "cpu"):
-        check_number("jobs", jobs, integer=True, low=1)
+        check_positive_int("jobs", jobs)
         self.fn_name, self.store, self.jobs, self.device = fn_name, RunStore(out), jobs, str(device)
         self.progress, self.units, self.desc = progress, units, desc
         self.trained = 0  # runs trained (not found in the store) by this runner
@@ -469,15 +469,14 @@ def save(fig, path) -> Path:
 # --- settings ---------------------------------------------------------------------------------
 
 
-def check_int(name: str, value, minimum: int = 1) -> None:
-    check_number(name, value, integer=True, low=minimum)
+check_int = check_positive_int  # the studies' positive-int check is lintrans.checks' one
 
 
-def check_ints(name: str, values, minimum: int = 1) -> None:
+def check_ints(name: str, values) -> None:
     if not isinstance(values, list) or not values:
         raise ValueError(f"{name} must be a non-empty list of ints, got {values!r}")
     for v in values:
-        check_int(f"every entry of {name}", v, minimum)
+        check_positive_int(f"every entry of {name}", v)
     if len(set(values)) != len(values) or values != sorted(values):
         raise ValueError(f"{name} must be distinct and increasing, got {values}")
 

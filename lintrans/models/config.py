@@ -5,20 +5,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lintrans.checks import check_number
+from lintrans.checks import check_choice, check_known_keys
+from lintrans.config import check_fields
 
 MLP_KINDS = ("gelu", "swiglu")
 GELU_APPROXIMATIONS = ("tanh", "none")
 POS_EMBEDDINGS = ("learned", "rope", "none")
-
-
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    check_number(f"GPTConfig.{name}", value, integer=True, low=minimum)
-
-
-def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"GPTConfig.{name} must be one of {list(allowed)}, got {value!r}")
 
 
 class HeadGeometry:
@@ -55,24 +47,25 @@ class GPTConfig(HeadGeometry):
     ordinary GPT, a different function of them (``lintrans.models.reversible``).
     """
 
-    n_layer: int = field(default=12, metadata={"help": "transformer blocks"})
-    n_head: int = field(default=12, metadata={"help": "attention heads per block"})
-    n_embd: int = field(default=768, metadata={"help": "width of the residual stream, a multiple of n_head"})
+    n_layer: int = field(default=12, metadata={"help": "transformer blocks", "low": 1})
+    n_head: int = field(default=12, metadata={"help": "attention heads per block", "low": 1})
+    n_embd: int = field(default=768, metadata={"help": "width of the residual stream, a multiple of n_head", "low": 1})
     block_size: int = field(default=1024, metadata={"help": "longest context (the size of the learned position "
-                                                             "table)"})
+                                                             "table)", "low": 1})
     vocab_size: int = field(default=50304, metadata={"help": "tokens in the vocabulary (a training run takes its "
-                                                              "tokenizer's unless set)"})
+                                                              "tokenizer's unless set)", "low": 1})
     bias: bool = field(default=True, metadata={"help": "biases in the linear layers and layer norms"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout probability, in [0, 1)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability", "low": 0, "high": 1,
+                                                  "high_open": True})
     attention: str = field(default="softmax", metadata={
         "help": "the mechanism, a name from lintrans.nn.available_attention() (softmax, linear, ...)"})
     attention_options: dict = field(default_factory=dict, metadata={
         "help": "that mechanism's options, e.g. {feature_map: elu, chunk_size: 64} for linear"})
     n_kv_head: Optional[int] = field(default=None, metadata={
-        "help": "key/value heads for grouped-query attention (default: n_head; 1 = multi-query)"})
-    mlp: str = field(default="gelu", metadata={"help": f"one of {list(MLP_KINDS)}"})
+        "help": "key/value heads for grouped-query attention (default: n_head; 1 = multi-query)", "low": 1})
+    mlp: str = field(default="gelu", metadata={"help": "the feed-forward block", "choices": MLP_KINDS})
     gelu_approximate: str = field(default="tanh", metadata={
-        "help": f"one of {list(GELU_APPROXIMATIONS)}: tanh is GPT-2's GELU, none the exact erf GELU of nanoGPT"})
+        "help": "tanh is GPT-2's GELU, none the exact erf GELU of nanoGPT", "choices": GELU_APPROXIMATIONS})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each block in the backward pass: less memory, more time"})
     pos_embedding: str = field(default="learned", metadata={
@@ -82,30 +75,15 @@ class GPTConfig(HeadGeometry):
         "help": "the Reformer's reversible residual layers: activation memory flat in n_layer"})
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            _check_int(name, getattr(self, name))
+        check_fields(self, label=lambda key: f"GPTConfig.{key}")  # each key against its field's limits
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_kv_head is not None:
-            _check_int("n_kv_head", self.n_kv_head)
-            if self.n_head % self.n_kv_head:
-                raise ValueError(
-                    f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
-                )
-        check_number("GPTConfig.dropout", self.dropout, low=0, high=1, high_open=True)
-        for name in ("bias", "gradient_checkpointing", "reversible"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
         if self.reversible and self.gradient_checkpointing:
             raise ValueError("GPTConfig.reversible already recomputes every block in the backward pass: "
                              "gradient_checkpointing must be False with it")
-        if not isinstance(self.attention, str):
-            raise TypeError(f"GPTConfig.attention must be a str, got {self.attention!r}")
-        if not isinstance(self.attention_options, dict):
-            raise TypeError(f"GPTConfig.attention_options must be a dict, got {self.attention_options!r}")
-        _check_choice("mlp", self.mlp, MLP_KINDS)
-        _check_choice("gelu_approximate", self.gelu_approximate, GELU_APPROXIMATIONS)
-        _check_choice("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
+        check_choice("GPTConfig.pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
         if self.pos_embedding == "rope":
             if self.head_dim % 2:
                 raise ValueError(f"GPTConfig.pos_embedding='rope' needs an even head_dim (n_embd / n_head), "
@@ -120,10 +98,7 @@ class GPTConfig(HeadGeometry):
     def from_dict(cls, d: dict[str, Any]) -> "GPTConfig":
         if not isinstance(d, dict):
             raise TypeError(f"GPTConfig.from_dict needs a dict, got {type(d).__name__}")
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown GPTConfig keys {unknown}; allowed keys are {allowed}")
+        check_known_keys("GPTConfig keys", d, [f.name for f in dataclasses.fields(cls)])
         return cls(**d)
 
     def replace(self, **changes) -> "GPTConfig":

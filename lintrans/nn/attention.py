@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lintrans.checks import check_choice, check_known_keys
 from lintrans.config import set_key
 from lintrans.ops.feature_maps import FEATURE_MAPS
 from lintrans.ops.context_parallel import context_parallel_linear_attention
@@ -102,10 +103,7 @@ def check_options(name: str, options: dict, schema: type) -> dict:
     range: TypeError/ValueError naming the key), with the defaults filled in."""
     if not isinstance(options, dict):
         raise TypeError(f"attention_options for {name!r} must be a mapping, got {options!r}")
-    allowed = [f.name for f in dataclasses.fields(schema)]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown attention_options {unknown} for {name!r}; allowed: {sorted(allowed)}")
+    check_known_keys("attention_options", options, [f.name for f in dataclasses.fields(schema)], where=repr(name))
     typed = schema()
     for key, value in options.items():
         set_key(typed, key, value, label=lambda k: f"attention_options[{k!r}]")
@@ -247,8 +245,7 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
         if options:
             raise ValueError(f"feature map {name!r} takes no feature_map_options, got {sorted(options)}")
         return name
-    if name not in MODULE_FEATURE_MAPS:
-        raise ValueError(f"attention_options['feature_map'] must be one of {feature_map_names()}, got {name!r}")
+    check_choice("attention_options['feature_map']", name, feature_map_names())
     cls, must_share = MODULE_FEATURE_MAPS[name]
     if shared_qk is None:
         shared_qk = must_share

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+from lintrans.checks import check_choice
+
 _REGISTRY: dict[str, type] = {}
 # modules that register mechanisms when imported; imported lazily so the core stays light
 _PROVIDERS = ("lintrans.nn.attention", "lintrans.nn.gated", "lintrans.nn.aft", "lintrans.nn.sliding_window",
@@ -51,8 +53,7 @@ def available_attention() -> list[str]:
 
 def get_attention(name: str) -> type:
     _load_providers()
-    if name not in _REGISTRY:
-        raise ValueError(f"attention must be one of {sorted(_REGISTRY)}, got {name!r}")
+    check_choice("attention", name, sorted(_REGISTRY))
     return _REGISTRY[name]
 
 

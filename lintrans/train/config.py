@@ -7,12 +7,12 @@ allowed, raised before any data is read or any step is taken.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lintrans.config import apply_overrides, dump, flatten, from_dict, read_file
+from lintrans.checks import check_known_keys
+from lintrans.config import apply_overrides, check_fields, dump, from_dict, read_file
 from lintrans.models import GPTConfig
 
 from .tokenizer import TOKENIZERS
@@ -23,17 +23,19 @@ RESUME_MODES = ("auto", "never", "must")
 PARALLEL = ("ddp", "fsdp")
 
 
-def _key(default, help: str):
-    """A config key with its help text (``lintrans train --help`` lists every key with it)."""
-    return field(default=default, metadata={"help": help})
+def _key(default, help: str, **limits):
+    """A config key with its help text (``lintrans train --help`` lists every key with it) and its
+    limits (``low``, ``high``, ``low_open``, ``high_open``, ``choices``: see ``lintrans.config``)."""
+    return field(default=default, metadata={"help": help, **limits})
 
 
 @dataclass
 class DataConfig:
     source: str = _key("builtin:python-docs", "the text: builtin:python-docs (the embedded corpus), text files or a "
                        "glob, nanoGPT .bin token files, or hf:NAME from the local Hugging Face cache")
-    tokenizer: str = _key("gpt2", f"one of {list(TOKENIZERS)}")
-    val_fraction: float = _key(0.05, "share of the corpus held out for evaluation, in (0, 1)")
+    tokenizer: str = _key("gpt2", "how text becomes tokens", choices=TOKENIZERS)
+    val_fraction: float = _key(0.05, "share of the corpus held out for evaluation", low=0, high=1, low_open=True,
+                               high_open=True)
     bin_dtype: str = _key("uint16", "dtype of nanoGPT .bin token files")
     hf_split: str = _key("train", "split of an hf: dataset")
     hf_text_column: str = _key("text", "column of an hf: dataset that holds the text")
@@ -43,47 +45,47 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _key(6e-4, "peak learning rate (AdamW)")
-    min_lr: float = _key(6e-5, "learning rate at the end of the decay, <= lr")
-    warmup_steps: int = _key(100, "steps of linear warm-up from 0 to lr")
-    decay_steps: Optional[int] = _key(None, "steps from 0 to the end of the decay (default: train.max_steps)")
-    schedule: str = _key("cosine", f"decay after the warm-up, one of {list(SCHEDULES)}")
-    weight_decay: float = _key(0.1, "AdamW weight decay, applied to matrices (>= 2-D parameters) only")
+    lr: float = _key(6e-4, "peak learning rate (AdamW)", low=0, low_open=True)
+    min_lr: float = _key(6e-5, "learning rate at the end of the decay, <= lr", low=0)
+    warmup_steps: int = _key(100, "steps of linear warm-up from 0 to lr", low=0)
+    decay_steps: Optional[int] = _key(None, "steps from 0 to the end of the decay (default: train.max_steps)", low=1)
+    schedule: str = _key("cosine", "decay after the warm-up", choices=SCHEDULES)
+    weight_decay: float = _key(0.1, "AdamW weight decay, applied to matrices (>= 2-D parameters) only", low=0)
     beta1: float = _key(0.9, "AdamW beta1")
     beta2: float = _key(0.95, "AdamW beta2")
     eps: float = _key(1e-8, "AdamW eps")
-    grad_clip: float = _key(1.0, "largest global gradient norm; 0 disables clipping")
+    grad_clip: float = _key(1.0, "largest global gradient norm; 0 disables clipping", low=0)
 
 
 @dataclass
 class TrainSection:
     out_dir: str = _key("runs/default", "folder of the run: its checkpoint, train.log and resolved config")
-    max_steps: int = _key(1000, "optimizer steps of the whole run")
+    max_steps: int = _key(1000, "optimizer steps of the whole run", low=1)
     stop_after_steps: Optional[int] = _key(None, "stop, with a checkpoint, after this many steps in this process "
-                                           "(the same command resumes)")
+                                           "(the same command resumes)", low=1)
     batch_size: Optional[int] = _key(16, "sequences per update over all processes (ignored when "
-                                     "tokens_per_update is set)")
+                                     "tokens_per_update is set)", low=1)
     tokens_per_update: Optional[int] = _key(None, "tokens per update, whatever the block size: the batch is this / "
-                                            "model.block_size sequences")
+                                            "model.block_size sequences", low=1)
     micro_batch_size: Optional[int] = _key(None, "sequences per forward pass per process (default: the whole "
-                                           "batch); the rest is gradient accumulation")
-    eval_interval: int = _key(100, "steps between evaluations on the held-out text")
-    eval_batches: int = _key(10, "batches per evaluation")
-    checkpoint_interval: int = _key(200, "steps between checkpoints")
+                                           "batch); the rest is gradient accumulation", low=1)
+    eval_interval: int = _key(100, "steps between evaluations on the held-out text", low=1)
+    eval_batches: int = _key(10, "batches per evaluation", low=1)
+    checkpoint_interval: int = _key(200, "steps between checkpoints", low=1)
     seed: int = _key(1337, "seed of the initial weights, the batches and dropout")
     device: str = _key("auto", "auto, cpu, cuda, cuda:N or mps")
-    precision: str = _key("auto", f"one of {list(PRECISIONS)}; auto is bf16 autocast on GPUs that support it, "
-                          "fp32 elsewhere")
+    precision: str = _key("auto", "auto is bf16 autocast on GPUs that support it, fp32 elsewhere", choices=PRECISIONS)
     compile: bool = _key(False, "torch.compile the model")
-    resume: str = _key("auto", f"one of {list(RESUME_MODES)}: auto continues from out_dir's checkpoint when there "
-                       "is one, never refuses an out_dir that has one, must refuses one that has none")
+    resume: str = _key("auto", "auto continues from out_dir's checkpoint when there is one, never refuses an "
+                       "out_dir that has one, must refuses one that has none", choices=RESUME_MODES)
     init_from: Optional[str] = _key(None, "start from these weights: a lintrans checkpoint, a Hugging Face GPT-2 "
                                     "folder or cache name, or a nanoGPT ckpt.pt; the model is that one, and "
                                     "model.attention etc. may swap its attention (weights kept)")
     progress: bool = _key(True, "progress bar")
-    parallel: str = _key("ddp", f"under torchrun, one of {list(PARALLEL)}: ddp replicates the weights, fsdp "
-                         "(FSDP2 fully_shard) shards weights, gradients and optimizer state over the processes")
-    context_parallel: int = _key(1, "split every sequence over this many processes (linear-state attention only)")
+    parallel: str = _key("ddp", "under torchrun: ddp replicates the weights, fsdp (FSDP2 fully_shard) shards "
+                         "weights, gradients and optimizer state over the processes", choices=PARALLEL)
+    context_parallel: int = _key(1, "split every sequence over this many processes (linear-state attention only)",
+                                 low=1)
 
 
 SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": TrainSection}
@@ -102,37 +104,19 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        unknown = [k for k in d if k not in ("model", *SECTIONS)] if isinstance(d, dict) else []
-        if unknown:
-            raise ValueError(f"unknown config section {unknown[0]!r}; sections are {['model', *SECTIONS]}")
+        if isinstance(d, dict):
+            check_known_keys("config sections", d, ["model", *SECTIONS])
         cfg = from_dict(cls, d)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        _choice("data.tokenizer", self.data.tokenizer, TOKENIZERS)
-        _choice("optim.schedule", self.optim.schedule, SCHEDULES)
-        _choice("train.precision", self.train.precision, PRECISIONS)
-        _choice("train.resume", self.train.resume, RESUME_MODES)
-        _choice("train.parallel", self.train.parallel, PARALLEL)
-        for key, value in flatten(TrainConfig, self.to_dict()).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"config key {key!r} must be a finite number, got {value}")
-        if not 0 < self.data.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
-        for name in ("max_steps", "eval_interval", "eval_batches", "checkpoint_interval", "context_parallel"):
-            _positive(f"train.{name}", getattr(self.train, name))
-        for name in ("stop_after_steps", "batch_size", "tokens_per_update", "micro_batch_size"):
-            if getattr(self.train, name) is not None:
-                _positive(f"train.{name}", getattr(self.train, name))
+        """Every key against its field's limits (as when it was set), then what involves two keys."""
+        check_fields(self)
         if self.train.batch_size is None and self.train.tokens_per_update is None:
             raise ValueError("set train.batch_size or train.tokens_per_update")
-        if self.optim.lr <= 0 or self.optim.min_lr < 0 or self.optim.min_lr > self.optim.lr:
-            raise ValueError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got {self.optim.min_lr}, {self.optim.lr}")
-        if self.optim.warmup_steps < 0 or self.optim.grad_clip < 0 or self.optim.weight_decay < 0:
-            raise ValueError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
-        if self.optim.decay_steps is not None:
-            _positive("optim.decay_steps", self.optim.decay_steps)
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(f"config key 'optim.min_lr' ({self.optim.min_lr}) must be <= optim.lr ({self.optim.lr})")
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
         check_attention(gpt)
         if self.train.context_parallel > 1:
@@ -171,16 +155,6 @@ def check_context_parallel(attention: str, block_size: int, n: int) -> None:
 def padded_vocab(vocab_size: int) -> int:
     """Round up to a multiple of 64 (as nanoGPT does: 50257 -> 50304) for faster matmuls."""
     return (vocab_size + 63) // 64 * 64
-
-
-def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _positive(name, value):
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 # ---- files -----------------------------------------------------------------------------------
