@@ -24,7 +24,6 @@ failed build warns once and falls back.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import glob
 import hashlib
@@ -215,9 +214,8 @@ def _touch(path: Path) -> None:
     """Mark the library as used (pruning keeps the most recently used)."""
     try:
         os.utime(path)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
+    except OSError:  # a read-only or shared cache: the mark is only advice for pruning
+        pass
 
 
 def open_library(verbose: bool = False) -> ctypes.CDLL:
