@@ -4,7 +4,8 @@ A configuration is a dataclass. Its fields are the keys and their annotations th
 int, float, str, ``Optional[...]``, ``list[...]``, ``Literal[...]``, ``Union[int, Literal["auto"]]``,
 ``dict``, or another dataclass (a section: its keys are ``section.name``). A field's metadata may
 hold ``help`` (the flag's help), ``choices`` (the allowed values), ``low`` / ``high`` (numeric
-bounds, ``low_open`` / ``high_open`` to exclude them; checked by ``lintrans.checks.check_number``) and, on a ``dict`` field, ``schema``: a
+bounds, ``low_open`` / ``high_open`` to exclude them; on a list, for every entry; checked by
+``lintrans.checks.check_number``) and, on a ``dict`` field, ``schema``: a
 dataclass whose fields are the keys that dict may hold (a sparse section, e.g. the training
 config's ``model``, whose keys are GPTConfig's).
 
@@ -103,7 +104,8 @@ def describe(typ, meta: Optional[dict] = None) -> str:
         text = " or ".join(describe(a, bounds) for a in typing.get_args(typ))
     elif origin is list:
         (item,) = typing.get_args(typ) or (Any,)
-        text = "a list of " + (describe(item).split(" ", 1)[1] if item is not Any else "values")
+        bounds = {k: meta[k] for k in BOUNDS if k in meta}  # a list's bounds hold for every entry
+        text = "a list of " + (describe(item, bounds).split(" ", 1)[1] if item is not Any else "values")
     elif typ is dict or origin is dict:
         text = "a table (mapping)"
     elif typ in (int, float):
@@ -197,7 +199,8 @@ def convert(name: str, value, typ, meta: Optional[dict] = None, *, from_text: bo
         if not isinstance(value, list):
             raise bad()
         (item,) = typing.get_args(base) or (Any,)
-        return value if item is Any else [convert(f"every entry of {name}", v, item, from_text=from_text)
+        bounds = {k: meta[k] for k in BOUNDS if k in meta}
+        return value if item is Any else [convert(f"every entry of {name}", v, item, bounds, from_text=from_text)
                                           for v in value]
     if base is dict or origin is dict:
         if not isinstance(value, dict):

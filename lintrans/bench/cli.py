@@ -65,15 +65,19 @@ class BenchOptions:
 
     profile: str = field(default="quick", metadata={"choices": ("quick", "full")})
     out: Optional[str] = field(default=None, metadata={"help": "write JSON/CSV/MD/PNG into this folder"})
-    max_T: Optional[int] = field(default=None, metadata={"help": "longest context to try (overrides the profile)"})
+    max_T: Optional[int] = field(default=None, metadata={
+        "help": "longest context to try (overrides the profile; 256 is the shortest measured)", "low": 256})
     T: Optional[list[int]] = field(default=None, metadata={
-        "help": "exactly these contexts instead of the powers of two up to --max-T"})
+        "help": "exactly these contexts instead of the powers of two up to --max-T", "low": 1})
     decoders: Optional[list[str]] = field(default=None, metadata={
         "help": "generate: which caches to decode with: softmax, linear, gated-deltanet (default softmax and linear)"})
-    time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops"})
+    time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops",
+                                                              "low": 0, "low_open": True})
     memory_cap_gb: Optional[float] = field(default=None, metadata={
-        "help": "predicted peak past which a curve stops (default: half the available memory)"})
-    threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
+        "help": "predicted peak past which a curve stops (default: half the available memory)", "low": 0,
+        "low_open": True})
+    threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)",
+                                                           "low": 1})
     ops: Optional[list[str]] = field(default=None, metadata={
         "help": "op series to include (substrings, e.g. chunked softmax)"})
     sizes: Optional[list[str]] = field(default=None, metadata={
@@ -82,7 +86,8 @@ class BenchOptions:
         "help": "linear forms for train (default: the profile's)"})
     mechanisms: Optional[list[str]] = field(default=None, metadata={
         "help": "other attention mechanisms to train beside softmax and linear, e.g. gated-linear retention"})
-    repeats: Optional[int] = field(default=None, metadata={"help": "timed repeats per point, all taken whatever the profile's time budget (the fastest is kept)"})
+    repeats: Optional[int] = field(default=None, metadata={
+        "help": "timed repeats per point, all taken whatever the profile's time budget (the fastest is kept)", "low": 1})
     device: str = field(default="cpu", metadata={"help": "where to run: cpu, cuda or cuda:N"})
 
 
@@ -233,13 +238,13 @@ def _load_average() -> Optional[list]:
 
 def build_profile(args: BenchOptions) -> Profile:
     """The profile ``args.profile`` with the changes the command line asks for, checked."""
+    from lintrans.config import check_fields, flag_name
+
+    try:
+        check_fields(args, label=flag_name)  # each option against its field's limits, as the flags are
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"lintrans bench: {e}")
     prof = profiles()[args.profile]
-    if args.max_T is not None and args.max_T < 256:
-        raise SystemExit(f"lintrans bench: --max-T must be >= 256 (the shortest context measured), got {args.max_T}")
-    for flag in ("time_cap", "memory_cap_gb", "threads"):
-        value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise SystemExit(f"lintrans bench: --{flag.replace('_', '-')} must be > 0, got {value}")
     if args.ops:
         from .ops import op_series, select_series
 
@@ -254,8 +259,6 @@ def build_profile(args: BenchOptions) -> Profile:
     if args.T:
         if args.max_T is not None:
             raise SystemExit("lintrans bench: give --T or --max-T, not both")
-        if min(args.T) < 1:
-            raise SystemExit(f"lintrans bench: --T must be >= 1, got {args.T}")
         prof.ops_T = prof.train_T = prof.generate_T = sorted(set(args.T))
     if args.decoders:
         from .generate import DECODERS
@@ -281,8 +284,6 @@ def build_profile(args: BenchOptions) -> Profile:
         if form not in LINEAR_FORMS:
             raise SystemExit(f"lintrans bench: --forms must be among {list(LINEAR_FORMS)}, got {form!r}")
     if args.repeats is not None:
-        if args.repeats < 1:
-            raise SystemExit(f"lintrans bench: --repeats must be >= 1, got {args.repeats}")
         prof.caps.repeats = args.repeats
         # asked for by number: all of them, whatever the profile's time budget per point (which
         # otherwise times a step slower than the budget once)

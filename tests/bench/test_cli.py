@@ -121,14 +121,15 @@ def test_bench_rejects_unknown_mechanism():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["cost", "--T", "0"], "--T must be >= 1"),
-    (["cost", "--T", "-5"], "--T must be >= 1"),
+    (["cost", "--T", "0"], "every --T must be an int >= 1, got 0"),
+    (["cost", "--T", "-5"], "every --T must be an int >= 1, got -5"),
     (["cost", "--n-embd", "100", "--n-head", "3"], "--n-embd (100) must be divisible by --n-head (3)"),
     (["cost", "--T", "1024", "4096", "--step-time", "0.5"], "--step-time needs one time per --T (2), got 1"),
     (["cost", "--step-time", "0", "--T", "64"], "--step-time must be positive"),
     (["cost", "--feature-map", "nope"], "feature_map must be one of"),
     (["cost", "--size", "nope"], "--size must be one of"),
-    (["tune", "--T", "-1"], "--T and --head-dim must be >= 1"),
+    (["tune", "--T", "-1"], "every --T must be an int >= 1, got -1"),
+    (["tune", "--head-dim", "0"], "--head-dim must be an int >= 1, got 0"),
     (["tune", "--feature-map", "nope"], "--feature-map: feature_map must be one of"),
 ])
 def test_bad_cost_and_tune_arguments_give_one_line_errors(argv, message, capsys):
@@ -139,13 +140,14 @@ def test_bad_cost_and_tune_arguments_give_one_line_errors(argv, message, capsys)
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "ops", "--ops", "nope"], "--ops: unknown op series ['nope']"),
-    (["bench", "ops", "--max-T", "0"], "--max-T must be >= 256"),
-    (["bench", "ops", "--max-T", "-256"], "--max-T must be >= 256"),
-    (["bench", "ops", "--max-T", "100"], "--max-T must be >= 256"),
-    (["bench", "ops", "--time-cap", "-1"], "--time-cap must be > 0"),
+    (["bench", "ops", "--max-T", "0"], "--max-T must be an int >= 256 or None, got 0"),
+    (["bench", "ops", "--max-T", "-256"], "--max-T must be an int >= 256"),
+    (["bench", "ops", "--max-T", "100"], "--max-T must be an int >= 256"),
+    (["bench", "ops", "--time-cap", "-1"], "--time-cap must be a number > 0"),
+    (["bench", "ops", "--repeats", "0"], "--repeats must be an int >= 1"),
     (["bench", "train", "--sizes", "nope"], "--sizes must be one of"),
     (["bench", "generate", "--T", "256", "--max-T", "512"], "give --T or --max-T, not both"),
-    (["bench", "generate", "--T", "0"], "--T must be >= 1"),
+    (["bench", "generate", "--T", "0"], "every entry of --T must be an int >= 1, got 0"),
 ])
 def test_bad_bench_arguments_exit_before_measuring(argv, message):
     with pytest.raises(SystemExit) as e:
@@ -248,8 +250,8 @@ def test_device_cuda_without_cuda_is_one_clear_error(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "ops", "--max-T", "x"], "lintrans bench: --max-T must be an int or None, got 'x'"),
-    (["bench", "ops", "--repeats", "1.5"], "lintrans bench: --repeats must be an int or None, got '1.5'"),
+    (["bench", "ops", "--max-T", "x"], "lintrans bench: --max-T must be an int >= 256 or None, got 'x'"),
+    (["bench", "ops", "--repeats", "1.5"], "lintrans bench: --repeats must be an int >= 1 or None, got '1.5'"),
     (["bench", "ops", "--profile", "huge"], "lintrans bench: --profile must be one of ['quick', 'full'], got 'huge'"),
 ])
 def test_bench_flags_are_typed_by_its_options_dataclass(argv, message):
@@ -282,7 +284,7 @@ def test_cost_op_share_counts_the_short_last_chunk(capsys):
     (["cost", "--T", "64", "128", "--op-time", "0.1"], "--op-time needs one time per --T (2), got 1"),
     (["cost", "--T", "64", "--op-time", "-1"], "--op-time must be positive"),
     (["cost", "--T", "64", "--op-time", "1", "--probe-gflops", "0"], "--probe-gflops must be positive"),
-    (["cost", "--T", "64", "--measure-op", "--op-repeats", "0"], "--op-repeats must be >= 1"),
+    (["cost", "--T", "64", "--measure-op", "--op-repeats", "0"], "--op-repeats must be an int >= 1"),
 ])
 def test_bad_op_share_arguments(argv, message, capsys):
     assert main(argv) == 2
