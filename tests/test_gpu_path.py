@@ -252,13 +252,14 @@ def test_benchmark_steps_run_on_the_meta_device():
     """``lintrans bench ops|train --device cuda`` build their steps with ``device=``: every op series
     and a training step of each attention kind run on the meta device (one untimed call each)."""
     from lintrans.bench.ops import make_op_step, op_series
-    from lintrans.bench.train import gpt_config, make_train_step
+    from lintrans.bench.sizes import model_size
+    from lintrans.bench.train import make_train_step
 
     for name, fn in op_series(16).items():
         make_op_step(fn, 64, H=2, D=16, device="meta")()
     for attention, form in [("softmax", None), ("linear", "chunked"), ("gated-linear", "chunked"),
                             ("retention", "chunked"), ("linear", "state_parallel")]:
-        make_train_step(gpt_config("4L-128", 64, attention, form, 16), 64, "meta")()
+        make_train_step(model_size("4L-128").gpt_config(64, attention, form, 16), 64, "meta")()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is missing")

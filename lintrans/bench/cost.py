@@ -49,7 +49,7 @@ class ModelShape(HeadGeometry):
         hd = config.n_embd // config.n_head
         fdim = None
         if config.attention == "linear" and isinstance(opts.get("feature_map", "elu"), str):
-            from .tune import feature_dim_of
+            from .sizes import feature_dim_of
 
             fdim = feature_dim_of(opts.get("feature_map", "elu"), hd)
         chunk = opts.get("chunk_size", 64)

@@ -6,11 +6,13 @@ import argparse
 import math
 import sys
 
+from lintrans.checks import check_positive_int
+
 from .cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, op_training_flops,
     parameters, speedup_bounds, training_flops,
 )
-from .sizes import ALIASES, SIZES, VOCAB, resolve_size
+from .sizes import ALIASES, SIZES, VOCAB, feature_dim_of, model_size
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -64,16 +66,17 @@ def _b(n: float) -> str:
 def _check(args) -> None:
     """ValueError naming the first bad flag."""
     if args.size:
-        args.n_layer, args.n_head, args.n_embd = SIZES[resolve_size(args.size)]
-    for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        size = model_size(args.size)
+        args.n_layer, args.n_head, args.n_embd = size.n_layer, size.n_head, size.n_embd
+    for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size", "op_repeats"):
+        check_positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.n_embd % args.n_head:
         raise ValueError(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
-    if args.n_kv_head is not None and (args.n_kv_head < 1 or args.n_head % args.n_kv_head):
-        raise ValueError(f"--n-kv-head must be >= 1 and divide --n-head ({args.n_head}), got {args.n_kv_head}")
-    if min(args.T) < 1:
-        raise ValueError(f"--T must be >= 1, got {args.T}")
+    check_positive_int("--n-kv-head", args.n_kv_head, allow_none=True)
+    if args.n_kv_head is not None and args.n_head % args.n_kv_head:
+        raise ValueError(f"--n-kv-head must divide --n-head ({args.n_head}), got {args.n_kv_head}")
+    for T in args.T:
+        check_positive_int("every --T", T)
     for flag in ("step_time", "linear_step_time", "op_time"):
         times = getattr(args, flag)
         if times is None:
@@ -86,13 +89,9 @@ def _check(args) -> None:
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    if args.op_repeats < 1:
-        raise ValueError(f"--op-repeats must be >= 1, got {args.op_repeats}")
 
 
 def run(args) -> int:
-    from .tune import feature_dim_of
-
     try:
         _check(args)
         F = feature_dim_of(args.feature_map, args.n_embd // args.n_head)

@@ -8,16 +8,16 @@ import time
 import torch
 
 from .measure import Caps, Point, Series, peak_memory, sweep_side_by_side
-from .train import gpt_config
+from .sizes import DEFAULT_CHUNK, model_size
 
 
 def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str = "cpu"):
     from lintrans.models import GPT
 
-    # the prefill is not timed: a fixed chunk size spares tuning at every context
-    chunk = 64
-    # room for the decode steps after the longest context: learned positions must cover them
-    config = gpt_config(size, max_T + 256, attention, "chunked" if attention == "linear" else None, chunk)
+    # room for the decode steps after the longest context: learned positions must cover them; the
+    # prefill is not timed, so a fixed chunk size spares tuning at every context
+    config = model_size(size).gpt_config(max_T + 256, attention, "chunked" if attention == "linear" else None,
+                                         DEFAULT_CHUNK)
     torch.manual_seed(0)
     model = GPT(config).to(device).eval()
     g = torch.Generator().manual_seed(T)
@@ -65,8 +65,7 @@ def decode_lines(rows: list[dict], size: str) -> list[str]:
     """Per decoder: time per token at the longest context over the shortest; and what decoding keeps
     there, the softmax KV cache against the linear state (the cost model's bytes, which the
     measured ``cache_bytes`` equal)."""
-    from .cost import ModelShape, cache_bytes
-    from .sizes import SIZES, VOCAB
+    from .cost import cache_bytes
 
     lines = []
     for name in DECODERS.values():
@@ -79,9 +78,9 @@ def decode_lines(rows: list[dict], size: str) -> list[str]:
     Ts = [r["T"] for r in rows if r["status"] == "ok"]
     if Ts:
         T = max(Ts)
-        L, N, D = SIZES[size]
-        common = dict(n_layer=L, n_head=N, n_embd=D, vocab_size=VOCAB, block_size=T + 256)
-        kv, state = cache_bytes(ModelShape(**common), T), cache_bytes(ModelShape(**common, attention="linear"), T)
+        model = model_size(size)
+        kv = cache_bytes(model.shape(T + 256), T)
+        state = cache_bytes(model.shape(T + 256, "linear", "chunked"), T)
         lines.append(f"at T = {T} the softmax KV cache holds {kv / 2**20:.1f} MiB, the linear state "
                      f"{state / 2**20:.2f} MiB ({kv / state:.0f}x)")
     return lines

@@ -9,7 +9,7 @@ import torch
 from lintrans.ops.linear import FORMS
 
 from .measure import Caps, Point, Series, sweep_side_by_side
-from .sizes import SIZES, VOCAB
+from .sizes import ModelSize, is_linear, model_size
 
 # the op's forms, the fast one first (the order of the benchmark's series)
 LINEAR_FORMS = ("chunked", *(f for f in FORMS if f != "chunked"))
@@ -24,41 +24,8 @@ def train_series(forms=LINEAR_FORMS, floor: bool = True, mechanisms=()) -> list[
     ``mechanisms``: other registered attention names (e.g. ``gated-linear``), each a series of its
     own, chunked where it is a linear-attention layer."""
     series = [("softmax (SDPA)", "softmax", None)] + [(f"linear {f}", "linear", f) for f in forms]
-    series += [(m, m, "chunked" if _is_linear(m) else None) for m in mechanisms]
+    series += [(m, m, "chunked" if is_linear(m) else None) for m in mechanisms]
     return series + ([(FLOOR, "none", None)] if floor else [])
-
-
-def _is_linear(attention: str) -> bool:
-    """Whether the mechanism is a linear-attention layer (takes form and chunk_size options)."""
-    from lintrans.nn.attention import LinearAttention
-    from lintrans.nn.registry import get_attention
-
-    return issubclass(get_attention(attention), LinearAttention)
-
-
-def _is_gated(attention: str) -> bool:
-    """Whether the mechanism decays its state (overrides ``LinearAttention.log_decay``)."""
-    from lintrans.nn.attention import LinearAttention
-    from lintrans.nn.registry import get_attention
-
-    return _is_linear(attention) and get_attention(attention).log_decay is not LinearAttention.log_decay
-
-
-def chunk_for(T: int, head_dim: int, feature_map: str = "elu", device: str = "cpu", gated: bool = False) -> int:
-    from lintrans.ops.chunk_tuning import auto_chunk_size
-
-    from .tune import feature_dim_of
-
-    return auto_chunk_size(T, head_dim, feature_dim_of(feature_map, head_dim), torch.float32, device, gated=gated)
-
-
-def gpt_config(size: str, T: int, attention: str, form: Optional[str], chunk_size: int = 64, **overrides):
-    from lintrans.models import GPTConfig
-
-    n_layer, n_head, n_embd = SIZES[size]
-    opts = {"form": form, "chunk_size": chunk_size} if form is not None else {}
-    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=VOCAB, block_size=T,
-                     dropout=0.0, attention=attention, attention_options=opts, **overrides)
 
 
 def make_train_step(config, T: int, device: str = "cpu"):
@@ -84,15 +51,13 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
               tuned_chunk: bool = True, floor: bool = True, mechanisms=(), on_point=None) -> list[Point]:
     points: list[Point] = []
     for size in sizes:
-        head_dim = SIZES[size][2] // SIZES[size][1]
+        model = model_size(size, "--sizes")
         softmax = f"{size} softmax (SDPA)"
         series = []
         for name, attention, form in train_series(forms, floor, mechanisms):
             def make(T, attention=attention, form=form):
-                chunk = 64
-                if tuned_chunk and form == "chunked":  # identity (gated defaults) and elu: F = D alike
-                    chunk = chunk_for(T, head_dim, device=device, gated=_is_gated(attention))
-                step = make_train_step(gpt_config(size, T, attention, form, chunk), T, device)
+                chunk = model.chunk_size(T, attention, form, tuned=tuned_chunk, device=device)
+                step = make_train_step(model.gpt_config(T, attention, form, chunk), T, device)
                 return step, {"chunk_size": chunk} if form in ("chunked", "attention_blocked") else {}
 
             # the floor only bounds softmax's speed-up, so it is timed where softmax was, and without
@@ -100,17 +65,17 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
             is_floor = attention == "none"
             series.append(Series(f"{size} {name}", make, measure_memory=not is_floor,
                                  within=softmax if is_floor else None))
-        together = _fits_together(size, len(series), max(Ts), caps)
+        together = _fits_together(model, len(series), max(Ts), caps)
         for p in sweep_side_by_side(series, Ts, caps, device=device, together=together, on_point=on_point):
             p.extra.setdefault("size", size)
             points.append(p)
     return points
 
 
-def _fits_together(size: str, n_series: int, T: int, caps: Caps) -> bool:
+def _fits_together(model: ModelSize, n_series: int, T: int, caps: Caps) -> bool:
     """Whether every series' model, gradients and AdamW state (16 bytes a parameter) fit in a
     quarter of the memory cap at once, leaving the rest for one step's activations."""
-    from .cost import ModelShape, parameters
+    from .cost import parameters
 
-    params = parameters(ModelShape.from_config(gpt_config(size, T, "softmax", None)))["total"]
+    params = parameters(model.shape(T))["total"]
     return caps.memory_bytes is None or 16 * params * n_series <= caps.memory_bytes / 4

@@ -7,14 +7,10 @@ import sys
 
 import torch
 
+from lintrans.checks import check_positive_int
 from lintrans.ops.chunk_tuning import cache_file, cache_key, load_cache, store, t_bucket, tune_chunk_size
 
-
-def feature_dim_of(feature_map, head_dim: int) -> int:
-    from lintrans.ops import resolve_feature_map
-
-    phi_q, _ = resolve_feature_map(feature_map)
-    return phi_q(torch.zeros(1, head_dim)).shape[-1]
+from .sizes import feature_dim_of
 
 
 # -- lintrans tune ------------------------------------------------------------------------------
@@ -39,9 +35,12 @@ def run(args) -> int:
     except ValueError as e:
         print(f"lintrans tune: {e}", file=sys.stderr)
         return 2
-    if min(args.T) < 1 or args.head_dim < 1:
-        print(f"lintrans tune: --T and --head-dim must be >= 1, got --T {args.T} --head-dim {args.head_dim}",
-              file=sys.stderr)
+    try:
+        for T in args.T:
+            check_positive_int("every --T", T)
+        check_positive_int("--head-dim", args.head_dim)
+    except ValueError as e:
+        print(f"lintrans tune: {e}", file=sys.stderr)
         return 2
     try:
         F = feature_dim_of(args.feature_map, args.head_dim)

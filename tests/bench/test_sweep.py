@@ -91,11 +91,12 @@ def test_floor_line_bounds_what_any_attention_can_gain():
 
 
 def test_train_series_ends_with_the_no_mixing_floor():
-    from lintrans.bench.train import FLOOR, gpt_config, train_series
+    from lintrans.bench.sizes import model_size
+    from lintrans.bench.train import FLOOR, train_series
 
     series = train_series(("chunked",))
     assert [s[0] for s in series] == ["softmax (SDPA)", "linear chunked", FLOOR]
-    assert gpt_config("4L-128", 64, "none", None).attention == "none"
+    assert model_size("4L-128").gpt_config(64, "none", None).attention == "none"
     assert train_series(("chunked",), floor=False)[-1][0] == "linear chunked"
 
 
@@ -178,7 +179,9 @@ def test_run_train_bounds_the_floor_by_softmax(monkeypatch):
     assert floor.within == "4L-128 softmax (SDPA)" and floor.measure_memory is False
     assert by_name["4L-128 linear chunked"].within is None and by_name["4L-128 linear chunked"].measure_memory
     assert seen["together"] is True
-    assert train._fits_together("12L-768", 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s
+    from lintrans.bench.sizes import model_size
+
+    assert train._fits_together(model_size("12L-768"), 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s
 
 
 @pytest.mark.parametrize("floor_s, fast_s", [(2.5, 1.0), (0.5, 0.4)])  # floor behind softmax; fast ahead of floor
@@ -218,3 +221,19 @@ def test_repeats_asked_for_by_number_are_all_taken(fake_clock, monkeypatch):
     sweep_side_by_side([Series("a", step)], [256], Caps(time_s=expensive * 2, repeats=default.repeats,
                                                         budget_s=default.budget_s))
     assert len(calls) == 2  # without --repeats the budget rules
+
+
+def test_a_model_size_says_its_config_chunk_and_cost_shape():
+    from lintrans.bench.sizes import DEFAULT_CHUNK, VOCAB, model_size
+
+    size = model_size("gpt2-124m")  # an alias
+    assert (size.name, size.n_layer, size.n_head, size.n_embd, size.head_dim) == ("12L-768", 12, 12, 768, 64)
+    config = size.gpt_config(128, "linear", "chunked", 32)
+    assert (config.block_size, config.vocab_size, config.dropout) == (128, VOCAB, 0.0)
+    assert config.attention_options == {"form": "chunked", "chunk_size": 32}
+    assert size.gpt_config(128).attention_options == {}
+    shape = size.shape(128, "linear", "chunked", 32)
+    assert (shape.n_layer, shape.chunk_size, shape.F, shape.vocab_size) == (12, 32, 64, VOCAB)
+    # only the chunked form is tuned
+    assert size.chunk_size(128, "linear", "attention") == DEFAULT_CHUNK
+    assert size.chunk_size(128, "linear", "chunked", tuned=False) == DEFAULT_CHUNK
