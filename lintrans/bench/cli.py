@@ -46,7 +46,7 @@ def profiles() -> dict[str, Profile]:
     from .train import LINEAR_FORMS
 
     return {
-        # small enough for `make demo` (< 3 minutes on 2 cores): one model size, short time caps
+        # small enough for `make demo` (its time: docs/benchmarks.md): one model size, short time caps
         "quick": Profile(
             ops_T=powers_of_two(256, 8192), train_T=powers_of_two(256, 8192), generate_T=powers_of_two(256, 8192),
             sizes=("4L-128",), forms=("chunked", "attention", "state_parallel"),

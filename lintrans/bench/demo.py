@@ -26,8 +26,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-T", type=int, default=4096, help="longest context for the training step (default 4096)")
     p.add_argument("--generate-max-T", type=int, default=8192,
                    help="longest context for time per generated token (default 8192)")
-    # 8k, not 16k: softmax's 16k op step alone (about 10 s, run three times) would push the demo past
-    # 3 minutes on a slow day; the full profile and docs/results/peers have the op to 16k and beyond
+    # 8k, not 16k: softmax's 16k op step, timed three times, would make the demo much longer; the full
+    # profile and docs/results/peers have the op to 16k and beyond
     p.add_argument("--ops-max-T", type=int, default=8192, help="longest context for the op benchmark (default 8192)")
     p.add_argument("--size", default="12L-128", help="model size for the training step (default 12L-128)")
     p.add_argument("--time-cap", type=float, default=12.0, help="seconds per step past which a curve stops")

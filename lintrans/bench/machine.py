@@ -73,8 +73,8 @@ def matmul_probe(seconds: float = 1.0, n: Optional[int] = None, device: str = "c
     """How fast the machine ran matmuls just now: a shared machine's speed drifts within
     a minute and differs from day to day (docs/benchmarks.md), so each record carries the speed it ran at.
     GFLOP/s of an n-square float32 matmul, best and median over ``seconds``, and max/min time.
-    n defaults to 1024 on the CPU and 4096 on a GPU, where a 1024-square product takes ~0.1 ms and
-    launch and synchronisation jitter alone spread its times 3-7x (seen on an H100, docs/gpu.md)."""
+    n defaults to 1024 on the CPU and 4096 on a GPU, where a 1024-square product is so short that
+    launch and synchronisation jitter alone spread its times widely (docs/gpu.md)."""
     if n is None:
         n = 1024 if device == "cpu" else 4096
     times = _matmul_times(n, torch.float32, device, seconds, min_reps=3)

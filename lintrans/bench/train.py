@@ -61,7 +61,7 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
                 return step, {"chunk_size": chunk} if form in ("chunked", "attention_blocked") else {}
 
             # the floor only bounds softmax's speed-up, so it is timed where softmax was, and without
-            # peak memory: it is not a competitor (that saves ~20% of `make demo`)
+            # peak memory: it is not a competitor (a good part of `make demo`'s time saved)
             is_floor = attention == "none"
             series.append(Series(f"{size} {name}", make, measure_memory=not is_floor,
                                  within=softmax if is_floor else None))

@@ -40,7 +40,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hs, ts, ks = h[s:s + chunk_rows], targets[s:s + chunk_rows], keep[s:s + chunk_rows]
             n = hs.shape[0]
             logits = buf[:weight.shape[0] * n].view(weight.shape[0], n)  # [V, n]
-            if h.dtype == acc:  # into one reused buffer: fresh pages for every chunk cost ~40% on CPU
+            if h.dtype == acc:  # into one reused buffer: fresh pages for every chunk are slow on CPU
                 torch.mm(weight, hs.t(), out=logits)
             else:
                 logits.copy_(weight @ hs.t())
