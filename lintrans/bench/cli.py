@@ -87,7 +87,8 @@ class BenchOptions:
     mechanisms: Optional[list[str]] = field(default=None, metadata={
         "help": "other attention mechanisms to train beside softmax and linear, e.g. gated-linear retention"})
     repeats: Optional[int] = field(default=None, metadata={
-        "help": "timed repeats per point, all taken whatever the profile's time budget (the fastest is kept)", "low": 1})
+        "help": "timed repeats per point, all taken whatever the profile's time budget (the fastest is kept)",
+        "low": 1})
     device: str = field(default="cpu", metadata={"help": "where to run: cpu, cuda or cuda:N"})
 
 
