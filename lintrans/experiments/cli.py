@@ -70,7 +70,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         help="change one setting, e.g. --set steps=300 (repeatable; the same as its flag)")
         group = sp.add_argument_group("settings", "what the study measures (defaults: the study's; with --quick "
                                                   "its tiny ones); recorded in NAME.json")
-        add_arguments(group, settings_class(name, mod.DEFAULT), dest="setting:")
+        add_arguments(group, settings_class(name, mod.DEFAULT, getattr(mod, "LIMITS", None)), dest="setting:")
 
 
 def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] = None) -> dict:
@@ -82,7 +82,7 @@ def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] =
 
     from .study import setting_label, settings_class
 
-    settings = settings_class(mod.NAME, mod.DEFAULT)()
+    settings = settings_class(mod.NAME, mod.DEFAULT, getattr(mod, "LIMITS", None))()
     presets = getattr(mod, "PRESETS", {})
     if setting is not None and setting not in presets:
         raise ValueError(f"--setting for {mod.NAME} must be one of {sorted(presets)}, got {setting!r}")

@@ -78,10 +78,13 @@ QUICK = {
 MAPS = ("hedgehog", "elu", "based", "performer", "softmax")
 
 
+LIMITS = dict.fromkeys(("seeds", "n_layer", "n_head", "n_embd", "context", "tokens_per_update", "teacher_steps",
+                       "eval_every", "val_tokens", "distill_steps", "distill_batch", "finetune_steps", "kl_windows"),
+                      study.POSITIVE)
+
+
 def validate(s: dict) -> None:
-    for name in ("seeds", "n_layer", "n_head", "n_embd", "context", "tokens_per_update", "teacher_steps",
-                 "eval_every", "val_tokens", "distill_steps", "distill_batch", "finetune_steps", "kl_windows"):
-        study.check_int(name, s[name])
+    study.check_settings(s, DEFAULT, LIMITS)
     study.check_lrs(s["lrs"])
     study.check_lrs(s["teacher_lrs"])
     study.check_lrs([s["distill_lr"]])

@@ -70,9 +70,12 @@ QUICK = {
 PUBLISHED_BASED = [(1e4, 0.67), (1.5e5, 0.97)]
 
 
+LIMITS = dict.fromkeys(("seeds", "n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch"),
+                      study.POSITIVE)
+
+
 def validate(s: dict) -> None:
-    for name in ("seeds", "n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch"):
-        study.check_int(name, s[name])
+    study.check_settings(s, DEFAULT, LIMITS)
     study.check_lrs(s["lrs"])
     if not isinstance(s["shapes"], list) or not s["shapes"] or not all(
             isinstance(x, list) and len(x) == 2 for x in s["shapes"]):

@@ -65,16 +65,19 @@ QUICK = {
 }
 
 
+LIMITS = {
+    **dict.fromkeys(("seeds", "n_layer", "n_head", "n_embd", "dim", "points", "eval_points", "start_dim",
+                     "start_points", "steps", "batch_size", "eval_every", "eval_batch"), study.POSITIVE),
+    "curriculum": {"low": 0, "high": 1, "high_open": True},  # a fraction of the steps
+}
+
+
 def validate(s: dict) -> None:
-    for name in ("seeds", "n_layer", "n_head", "n_embd", "dim", "points", "eval_points", "start_dim",
-                 "start_points", "steps", "batch_size", "eval_every", "eval_batch"):
-        study.check_int(name, s[name])
+    study.check_settings(s, DEFAULT, LIMITS)
     study.check_lrs(s["lrs"])
     if not s["start_dim"] <= s["dim"] or not s["start_points"] <= s["points"] <= s["eval_points"]:
         raise ValueError(f"need start_dim <= dim and start_points <= points <= eval_points, got {s['start_dim']}, "
                          f"{s['dim']}, {s['start_points']}, {s['points']}, {s['eval_points']}")
-    if not isinstance(s["curriculum"], float) or not 0 <= s["curriculum"] < 1:
-        raise ValueError(f"curriculum must be a fraction of the steps in [0, 1), got {s['curriculum']!r}")
     check_specs(s["mechanisms"], linear_form="attention", **_fields(s))
 
 

@@ -38,7 +38,7 @@ import torch
 
 from lintrans._io import atomic_write_text
 from lintrans.checks import check_positive_int
-from lintrans.config import set_key
+from lintrans.config import check_fields, set_key
 
 RUNS_DIR = "runs"
 
@@ -497,12 +497,24 @@ def _type_of(value):
     return list[_type_of(value[0])] if isinstance(value, list) and value else type(value)
 
 
-def settings_class(name: str, default: dict) -> type:
-    """A study's settings as a dataclass (names, types and defaults from its ``DEFAULT``), so the
-    command line, --set and files check them with ``lintrans.config`` like every other config."""
-    fields = [(k, _type_of(v), dataclasses.field(default_factory=functools.partial(copy.deepcopy, v)))
+POSITIVE = {"low": 1}  # a setting's limits, as field metadata (lintrans.config): an int >= 1
+
+
+def settings_class(name: str, default: dict, limits: Optional[dict] = None) -> type:
+    """A study's settings as a dataclass (names, types and defaults from its ``DEFAULT``, limits from
+    its ``LIMITS``: setting name -> field metadata such as ``POSITIVE``), so the command line, --set
+    and files check them with ``lintrans.config`` like every other config."""
+    limits = limits or {}
+    fields = [(k, _type_of(v), dataclasses.field(default_factory=functools.partial(copy.deepcopy, v),
+                                                 metadata=limits.get(k, {})))
               for k, v in default.items()]
     return dataclasses.make_dataclass(f"{name.title()}Settings", fields)
+
+
+def check_settings(s: dict, default: dict, limits: dict) -> None:
+    """Every setting of ``s`` against its type (from ``default``) and ``limits``, as when it was set
+    (other keys of ``s``, such as ``quick``, are the run's, not the study's)."""
+    check_fields(settings_class("study", default, limits)(**{k: s[k] for k in default if k in s}), label=setting_label)
 
 
 def resolve_settings(default: dict, changes: dict) -> dict:

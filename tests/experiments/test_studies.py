@@ -211,7 +211,7 @@ def test_settings_flags_set_and_quick_are_typed_and_printed(tmp_path, capsys):
     assert "steps: 7" in out and "pairs: 3" in out and "- - 8" in out and "quick: true" in out
     assert "vocab_size: 64" in out  # the --quick value where nothing overrides it
     assert run_cli("recall", tmp_path, "--steps", "2.5") == 2
-    assert capsys.readouterr().err == "lintrans experiment: --steps must be an int, got '2.5'\n"
+    assert capsys.readouterr().err == "lintrans experiment: --steps must be an int >= 1, got '2.5'\n"
     assert not (tmp_path / "runs").exists()
 
 
