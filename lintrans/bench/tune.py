@@ -32,10 +32,6 @@ def run(args) -> int:
     dtype = getattr(torch, args.dtype)
     try:
         args.device = str(resolve_device(args.device, what="--device"))
-    except ValueError as e:
-        print(f"lintrans tune: {e}", file=sys.stderr)
-        return 2
-    try:
         for T in args.T:
             check_positive_int("every --T", T)
         check_positive_int("--head-dim", args.head_dim)
