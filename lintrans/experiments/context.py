@@ -1,23 +1,36 @@
-"""Study ``context`` ("Linear Transformers Are Faster After All", section 5): does attention's gap to softmax grow with context?
+"""Study ``context`` ("Linear Transformers Are Faster After All", section 5): does linear attention's gap to softmax grow with context?
 
-The same small byte-level GPT, only its attention swapped, is trained on the embedded corpus at
-several context lengths T with the tokens per update fixed (batch = tokens_per_update / T) and the
-token budget fixed (same number of updates), on the same data: at update s every run reads the same
-tokens_per_update + 1 consecutive tokens of the training split (a seeded offset) cut into windows of
-T, so the contexts differ only in how the stream is cut. Held-out loss is measured on the first
-``val_tokens`` of the validation split cut the same way, every ``eval_every`` updates.
+Byte-level GPTs, only their attention (and position encoding) swapped, are trained on the Python
+standard library's source code (``code_corpus``: split by file, so held-out files are unseen code)
+at contexts T spanning 16x, with the tokens per update fixed (batch = tokens_per_update / T) and the
+same number of updates: at update s every run of a seed reads the same tokens_per_update + 1
+consecutive training tokens (a seeded offset) cut into windows of T. Held-out loss is measured on the
+first ``val_tokens`` of the held-out split cut the same way, every ``eval_every`` updates, in total
+and by position in the window (buckets 1-16, 17-64, 65-256, ...): a model uses its context where its
+loss keeps falling at late positions. Count-based unigram, bigram and trigram losses on the same
+held-out windows (``ngram``) are in the record: a model counts as using context only once it beats
+the trigram clearly.
 
-The default runs 77 runs (sweep: 7 mechanisms x 3 rates at T=512; seeds: 7 x 3 contexts x 3 seeds,
-less the 7 seed-0 runs at T=512 the sweep already has) of 600 updates each, so every run sees
-600 x 2048 = 1.2M tokens; it is sized to finish within an hour with ``--jobs 2`` on a 2-core CPU
-(docs/experiments.md).
+Mechanisms are attention specs with a position encoding after ``@`` (``softmax@learned``: GPT-2's
+table; ``softmax@rope``: rotary; ``gated-deltanet@none``: none, the recurrent mechanisms' choice, as
+their state already orders the tokens). The learning rate is swept per mechanism at the
+``sweep_contexts`` (seed 0; by default the shortest and the longest context); a context between two
+swept ones trains at the rate interpolated log-linearly in log T between their choices.
+
+Profiles: the default (7 mechanisms x 3 contexts x 3 seeds plus the sweep, sized for about 2.5 hours
+with ``--jobs 2`` on a 2-core CPU; ``python -m lintrans.experiments.context --estimate --jobs 2``
+times a few steps of every model and prints the cost), ``--quick`` (a machinery check) and
+``--setting gpu`` (larger models, longer contexts; record folder context-gpu).
 """
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from lintrans.models.gpt import GPT
 
@@ -25,59 +38,189 @@ from . import study
 from .models import check_specs, gpt_config
 
 NAME = "context"
-VERSION = 1
+VERSION = 2
+LM_VERSION = 1  # run_spec / train_lm: the version-1 text-stream runs the distill study's teachers are keyed by
+POSITIONS = ("learned", "rope", "none")
+CORPORA = ("python-stdlib-code",)
 
 DEFAULT = {
-    "mechanisms": ["softmax", "linear:elu", "linear:based", "linear:rebased", "sliding-window:window=64",
-                   "retention", "gated-linear"],
-    "contexts": [128, 512, 2048],
-    "sweep_context": 512,
-    "lrs": [1e-3, 3e-3, 1e-2],
+    "mechanisms": ["softmax@learned", "softmax@rope", "linear:elu@none", "linear:based@none", "gated-linear@none",
+                   "deltanet@none", "gated-deltanet@none"],
+    "contexts": [256, 1024, 4096],
+    "sweep_contexts": [256, 4096],
+    "lrs": [1.5e-3, 3e-3, 6e-3],
     "seeds": 3,
-    "n_layer": 2,
+    "n_layer": 4,
     "n_head": 4,
-    "n_embd": 64,
-    "tokens_per_update": 2048,
-    "steps": 600,
-    "eval_every": 60,
-    "val_tokens": 16384,
-    "source": "builtin:python-docs",
+    "n_embd": 128,
+    "tokens_per_update": 4096,
+    "steps": 400,
+    "eval_every": 80,
+    "val_tokens": 65536,
+    "corpus": "python-stdlib-code",
 }
 QUICK = {
-    "mechanisms": ["softmax", "linear:elu"],
-    "contexts": [32, 128],
-    "sweep_context": 32,
+    "mechanisms": ["softmax@learned", "softmax@rope", "gated-deltanet@none"],
+    "contexts": [16, 64],
+    "sweep_contexts": [16, 64],
     "lrs": [1e-3, 3e-3, 1e-2],
     "seeds": 2,
     "n_layer": 1,
     "n_head": 2,
     "n_embd": 32,
     "tokens_per_update": 256,
-    "steps": 30,
+    "steps": 20,
     "eval_every": 10,
     "val_tokens": 512,
 }
+PRESETS = {
+    "gpu": {
+        "contexts": [512, 2048, 8192],
+        "sweep_contexts": [512, 8192],
+        "lrs": [1e-3, 2e-3, 4e-3],
+        "n_layer": 6,
+        "n_head": 8,
+        "n_embd": 256,
+        "tokens_per_update": 16384,
+        "steps": 3000,
+        "eval_every": 300,
+        "val_tokens": 262144,
+    },
+}
+
+
+def split_mechanism(mechanism: str) -> tuple[str, str]:
+    """``SPEC@POSITION`` -> (attention spec, position encoding); no ``@``: GPT-2's learned positions."""
+    if not isinstance(mechanism, str):
+        raise TypeError(f"a mechanism must be a string such as 'softmax@rope', got {mechanism!r}")
+    spec, at, position = mechanism.partition("@")
+    if not at:
+        position = "learned"
+    if position not in POSITIONS:
+        raise ValueError(f"mechanism {mechanism!r}: the position encoding after '@' must be one of {list(POSITIONS)}, "
+                         f"got {position!r}")
+    return spec, position
+
+
+LIMITS = dict.fromkeys(("n_layer", "n_head", "n_embd", "tokens_per_update", "steps", "eval_every", "val_tokens",
+                        "seeds"), study.POSITIVE)
 
 
 def validate(s: dict) -> None:
-    for name in ("n_layer", "n_head", "n_embd", "tokens_per_update", "steps", "eval_every", "val_tokens",
-                 "seeds", "sweep_context"):
-        study.check_int(name, s[name])
+    study.check_settings(s, DEFAULT, LIMITS)
     study.check_ints("contexts", s["contexts"])
+    study.check_ints("sweep_contexts", s["sweep_contexts"])
     study.check_lrs(s["lrs"])
-    if s["sweep_context"] not in s["contexts"]:
-        raise ValueError(f"sweep_context ({s['sweep_context']}) must be one of contexts {s['contexts']}")
     for T in s["contexts"]:
         if s["tokens_per_update"] % T or s["val_tokens"] % T:
             raise ValueError(f"tokens_per_update ({s['tokens_per_update']}) and val_tokens ({s['val_tokens']}) "
                              f"must be multiples of every context, got {T}")
-    check_specs(s["mechanisms"], n_layer=1, n_head=s["n_head"], n_embd=s["n_embd"], block_size=max(s["contexts"]),
-                vocab_size=257)
+    if not set(s["sweep_contexts"]) <= set(s["contexts"]) or s["sweep_contexts"][0] != s["contexts"][0] \
+            or s["sweep_contexts"][-1] != s["contexts"][-1]:
+        raise ValueError(f"sweep_contexts ({s['sweep_contexts']}) must be contexts from {s['contexts']} including "
+                         "the shortest and the longest")
+    if s["corpus"] not in CORPORA:
+        raise ValueError(f"corpus must be one of {list(CORPORA)}, got {s['corpus']!r}")
+    if not isinstance(s["mechanisms"], list) or len(set(s["mechanisms"])) != len(s["mechanisms"]):
+        raise ValueError(f"mechanisms must be a list of distinct SPEC@POSITION strings, got {s['mechanisms']!r}")
+    for m in s["mechanisms"]:
+        spec, position = split_mechanism(m)
+        try:
+            check_specs([spec], n_layer=1, n_head=s["n_head"], n_embd=s["n_embd"], block_size=max(s["contexts"]),
+                        vocab_size=257, pos_embedding=position)
+            GPT(gpt_config(spec, n_layer=1, n_head=s["n_head"], n_embd=s["n_embd"], block_size=8, vocab_size=8,
+                           pos_embedding=position))
+        except ValueError as e:
+            raise ValueError(f"mechanism {m!r}: {e}") from None
+
+
+def position_buckets(T: int) -> list[tuple[int, int]]:
+    """1-based inclusive position ranges: 1-16, 17-64, 65-256, ... (x4), the last ending at T."""
+    study.check_int("T", T)
+    buckets, lo, hi = [], 1, 16
+    while lo <= T:
+        buckets.append((lo, min(hi, T)))
+        lo, hi = hi + 1, hi * 4
+    return buckets
+
+
+def bucket_means(token_losses: torch.Tensor, T: int) -> list[float]:
+    """Mean of per-token losses [B, T] over each position bucket of ``position_buckets(T)``."""
+    return [float(token_losses[:, lo - 1:hi].mean()) for lo, hi in position_buckets(T)]
+
+
+def token_losses(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [B, T] (nats) of the model's predictions of y from x."""
+    logits, _ = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+
+
+def study_spec(s: dict, mechanism: str, context: int, lr: float, seed: int, corpus_sha256: str) -> dict:
+    keys = ("n_layer", "n_head", "n_embd", "tokens_per_update", "steps", "eval_every", "val_tokens", "corpus")
+    return {"study": NAME, "version": VERSION, "attention": mechanism, "context": context, "lr": lr, "seed": seed,
+            "corpus_sha256": corpus_sha256, **{k: s[k] for k in keys}}
+
+
+class CodeStream:
+    """Training batches and held-out windows of the code corpus for one run (see the module docstring)."""
+
+    def __init__(self, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int, device="cpu",
+                 corpus=None):
+        from .code_corpus import load
+
+        self.corpus = load() if corpus is None else corpus
+        self.T, self.tpu, self.device = T, tokens_per_update, device
+        rng = np.random.Generator(np.random.PCG64(seed))
+        self.starts = rng.integers(0, len(self.corpus.train) - tokens_per_update - 1, size=steps)
+        if val_tokens + 1 > len(self.corpus.val):
+            raise ValueError(f"val_tokens ({val_tokens}) exceeds the held-out split ({len(self.corpus.val)} tokens)")
+        self.val = [_windows(self.corpus.val, i, min(tokens_per_update, val_tokens - i), T, device)
+                    for i in range(0, val_tokens, tokens_per_update)]
+
+    def batch(self, step: int):
+        return _windows(self.corpus.train, int(self.starts[step]), self.tpu, self.T, self.device)
+
+    def evaluate(self, model: GPT) -> dict:
+        """Held-out loss in total and by position bucket (nats per byte)."""
+        with torch.no_grad():
+            losses = torch.cat([token_losses(model, x, y) for x, y in self.val])  # [windows, T]
+        return {"val_loss": float(losses.mean()), "by_position": bucket_means(losses, self.T)}
+
+
+def run(spec: dict, env: study.RunEnv) -> dict:
+    """One run of the study: train, evaluate by position, count spikes."""
+    from .code_corpus import load
+
+    corpus = load()
+    if corpus.info["sha256"] != spec["corpus_sha256"]:
+        raise ValueError(f"this interpreter's corpus (sha256 {corpus.info['sha256'][:12]}, Python "
+                         f"{corpus.info['python']}) is not the one the study was started with "
+                         f"({spec['corpus_sha256'][:12]})")
+    T = spec["context"]
+    stream = CodeStream(T, spec["tokens_per_update"], spec["steps"], spec["seed"], spec["val_tokens"], env.device,
+                        corpus)
+    attention, position = split_mechanism(spec["attention"])
+    config = gpt_config(attention, n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
+                        block_size=T, vocab_size=corpus.vocab_size, pos_embedding=position)
+    torch.manual_seed(spec["seed"])
+    model = GPT(config).to(env.device)
+    out = study.train(model, lr=spec["lr"], steps=spec["steps"],
+                      loss_at=lambda step: model(*stream.batch(step), return_logits=False)[1],
+                      evaluate=lambda: stream.evaluate(model), eval_every=spec["eval_every"], env=env)
+    out["params"] = study.param_count(model)
+    out["spikes"] = study.loss_spikes(out["train_loss"])
+    final = out["evals"][-1] if not out["diverged"] else None
+    out["final_val_loss"] = final["val_loss"] if final else None
+    out["final_by_position"] = final["by_position"] if final else None
+    return out
+
+
+# --- the version-1 text stream (the embedded prose corpus), kept for the distill study's teachers ---
 
 
 def run_spec(s: dict, mechanism: str, context: int, lr: float, seed: int) -> dict:
     keys = ("n_layer", "n_head", "n_embd", "tokens_per_update", "steps", "eval_every", "val_tokens", "source")
-    return {"study": NAME, "version": VERSION, "attention": mechanism, "context": context, "lr": lr, "seed": seed,
+    return {"study": NAME, "version": LM_VERSION, "attention": mechanism, "context": context, "lr": lr, "seed": seed,
             **{k: s[k] for k in keys}}
 
 
@@ -123,10 +266,6 @@ class TextStream:
         return total / sum(x.numel() for x, _ in self.val)
 
 
-def run(spec: dict, env: study.RunEnv) -> dict:
-    return train_lm(spec, env)[1]
-
-
 def train_lm(spec: dict, env: study.RunEnv):
     """Train the GPT of a run spec on the text stream: (model, result)."""
     T = spec["context"]
@@ -149,14 +288,74 @@ def _final(result: dict):
     return result["final_val_loss"]
 
 
+def interpolated_lr(chosen: dict, T: int) -> float:
+    """The rate for context T from the rates ``chosen`` ({swept T: lr}): the swept one at a swept T,
+    else log-linear in log T between the nearest swept contexts on either side."""
+    if T in chosen:
+        return chosen[T]
+    swept = sorted(chosen)
+    lo = max(t for t in swept if t < T)
+    hi = min(t for t in swept if t > T)
+    w = (math.log(T) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return float(f"{math.exp((1 - w) * math.log(chosen[lo]) + w * math.log(chosen[hi])):.3g}")
+
+
+@functools.lru_cache(maxsize=8)
+def _baselines_for(contexts: tuple, val_tokens: int) -> dict:
+    from .code_corpus import load
+    from .ngram import baselines, windows_of
+
+    corpus = load()
+    windows = {T: windows_of(corpus.val, val_tokens, T) for T in contexts}
+    return baselines(corpus.train, windows, corpus.vocab_size, {T: position_buckets(T) for T in contexts})
+
+
+def _baselines(s: dict, out, sha: str) -> dict:
+    """The n-gram baselines on the study's held-out windows, kept in the run store beside the runs
+    (keyed like a run, as KEY.ngram), so a resumed study does not count them again."""
+    import json
+
+    from lintrans._io import atomic_write_text
+
+    key = {"study": NAME, "version": VERSION, "baselines": "ngram", "contexts": s["contexts"],
+           "val_tokens": s["val_tokens"], "corpus_sha256": sha}
+    path = study.RunStore(out).path(key, ".ngram")  # JSON; not *.json, which are the runs
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = _baselines_for(tuple(s["contexts"]), s["val_tokens"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(result))
+    return result
+
+
 def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+    from .code_corpus import load
+
+    corpus = load()
+    sha = corpus.info["sha256"]
     runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
-    token_data(s["source"])  # tokenise (cached) once here, not in every worker
-    sweep, runs = study.sweep_and_seeds(
-        runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["contexts"], sweep_point=s["sweep_context"],
-        spec_for=lambda m, T, lr, seed: run_spec(s, m, T, lr, seed), score=_final, fields=lambda T: {"context": T})
-    return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs),
-            **runner.counts()}
+    load_before = os.getloadavg()
+    mechs = s["mechanisms"]
+
+    def spec_for(m, T, lr, seed):
+        return study_spec(s, m, T, lr, seed, sha)
+
+    # phase 1: the sweep at every sweep context, in one batch so that --jobs N runs it in parallel
+    runner.run([spec_for(m, T, lr, 0) for T in s["sweep_contexts"] for m in mechs for lr in s["lrs"]])
+    sweeps = [{"context": T, **study.lr_sweep(runner, {m: [spec_for(m, T, lr, 0) for lr in s["lrs"]] for m in mechs},
+                                              _final)} for T in s["sweep_contexts"]]
+    rates = {m: {T: interpolated_lr({sw["context"]: sw["chosen"][m] for sw in sweeps}, T) for T in s["contexts"]}
+             for m in mechs}
+    # phase 2: every seed at every context at its rate (a swept context's seed-0 run is the sweep's own)
+    grid = [(m, T, seed) for m in mechs for T in s["contexts"] for seed in range(s["seeds"])]
+    specs = [spec_for(m, T, rates[m][T], seed) for m, T, seed in grid]
+    runs = [{"attention": m, "context": T, "seed": seed, "lr": spec["lr"], "key": study.run_key(spec), **result}
+            for (m, T, seed), spec, result in zip(grid, specs, runner.run(specs))]
+    baselines = _baselines(s, out, sha)
+    return {"settings": s, "corpus": corpus.info, "baselines": baselines, "sweep": sweeps,
+            "lr": {m: {str(T): lr for T, lr in r.items()} for m, r in rates.items()}, "runs": runs,
+            "summary": summarize(s, runs, baselines),
+            "load_average": {"start": list(load_before), "end": list(os.getloadavg())}, **runner.counts()}
 
 
 # --- summary ----------------------------------------------------------------------------------
@@ -173,41 +372,119 @@ def _loss_at_time(run: dict, t: float):
     return before[-1]["val_loss"] if before else None
 
 
-def summarize(s: dict, runs: list) -> dict:
+def _overlap(a: dict, b: dict):
+    if a["mean"] is None or b["mean"] is None:
+        return None
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def summarize(s: dict, runs: list, baselines: dict) -> dict:
     mechs, contexts = s["mechanisms"], s["contexts"]
-    final, gap, spikes = {}, {}, {}
+    reference = mechs[0]
+    trigram = baselines["loss"]["trigram"]
+    final, per_seed, gap, overlap, vs_trigram, by_pos, spikes = ({} for _ in range(7))
     for m in mechs:
-        final[m], gap[m], spikes[m] = {}, {}, {}
+        for d in (final, per_seed, gap, overlap, vs_trigram, by_pos, spikes):
+            d[m] = {}
         for T in contexts:
-            rs, base = _select(runs, m, T), _select(runs, mechs[0], T)
-            final[m][str(T)] = study.spread([r["final_val_loss"] for r in rs])
-            # paired by seed: the same data order and initial seed
-            pairs = [(a["final_val_loss"], b["final_val_loss"]) for a, b in zip(rs, base)]
-            gap[m][str(T)] = study.spread([a - b if a is not None and b is not None else None for a, b in pairs])
-            spikes[m][str(T)] = {"count": study.spread([len(r["spikes"]) for r in rs]),
+            rs, base = _select(runs, m, T), _select(runs, reference, T)
+            k = str(T)
+            values = [r["final_val_loss"] for r in rs]
+            final[m][k], per_seed[m][k] = study.spread(values), values
+            pairs = [(a["final_val_loss"], b["final_val_loss"]) for a, b in zip(rs, base)]  # paired by seed
+            gap[m][k] = study.spread([a - b if a is not None and b is not None else None for a, b in pairs])
+            overlap[m][k] = _overlap(final[m][k], study.spread([b["final_val_loss"] for b in base]))
+            vs_trigram[m][k] = study.spread([v - trigram[k] if v is not None else None for v in values])
+            curves = [r["final_by_position"] for r in rs if r["final_by_position"] is not None]
+            by_pos[m][k] = study.spread_curves(curves) if curves else None
+            spikes[m][k] = {"count": study.spread([len(r["spikes"]) for r in rs]),
                             "per_seed": [[(p["step"], round(p["size"], 3)) for p in r["spikes"]] for r in rs]}
     longest = max(contexts)
     at_long = {m: _select(runs, m, longest) for m in mechs}
     finish = {m: study.spread([r["train_seconds"] for r in rs]) for m, rs in at_long.items()}
-    reference = mechs[0]
     t_ref = finish[reference]["mean"]
     t_fast = min(f["mean"] for f in finish.values() if f["mean"] is not None)
-    same_time = {}
-    for m, rs in at_long.items():
-        same_time[m] = {"finish_seconds": finish[m],
-                        f"val_loss_at_{reference}_finish": study.spread([_loss_at_time(r, t_ref) for r in rs]),
-                        "val_loss_at_fastest_finish": study.spread([_loss_at_time(r, t_fast) for r in rs])}
-    others = [m for m in mechs if m != reference]
-    best = min(others, key=lambda m: final[m][str(longest)]["mean"] or float("inf")) if others else None
+    same_time = {m: {"finish_seconds": finish[m],
+                     f"val_loss_at_{reference}_finish": study.spread([_loss_at_time(r, t_ref) for r in rs]),
+                     "val_loss_at_fastest_finish": study.spread([_loss_at_time(r, t_fast) for r in rs])}
+                 for m, rs in at_long.items()}
     return {
         "reference": reference,
         "final_val_loss": final,
+        "final_val_loss_per_seed": per_seed,
         f"gap_to_{reference}": gap,
+        f"band_overlaps_{reference}": overlap,
+        "minus_trigram": vs_trigram,
+        "by_position": by_pos,
+        "position_buckets": {str(T): position_buckets(T) for T in contexts},
         "spikes": spikes,
         "longest_context": longest,
-        "same_time": {"reference_finish_seconds": t_ref, "fastest_finish_seconds": t_fast,
-                      "best_other_at_longest": best, "mechanisms": same_time},
+        "same_time": {"reference_finish_seconds": t_ref, "fastest_finish_seconds": t_fast, "mechanisms": same_time},
     }
+
+
+# --- cost estimate ------------------------------------------------------------------------------
+
+
+def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report=print) -> dict:
+    """Seconds the study would take: a few timed training steps and one held-out chunk of every
+    mechanism at every context (with the torch threads each of ``jobs`` workers gets), times the
+    steps and evaluations of its runs, summed, divided by ``jobs``. On the CPU two figures: from
+    wall-clock time (this machine as loaded now) and from process CPU time divided by the threads
+    (what an otherwise idle machine would take, if the threads scale)."""
+    import time
+
+    threads = max(1, study.cpu_cores() // jobs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    n_evals = len(range(0, s["steps"], s["eval_every"])) + 1
+    totals, rows = {"wall": 0.0, "cpu": 0.0}, {}
+
+    def timed(fn):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - w, (time.process_time() - c) / threads
+
+    try:
+        for m in s["mechanisms"]:
+            spec, position = split_mechanism(m)
+            for T in s["contexts"]:
+                config = gpt_config(spec, n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
+                                    block_size=T, vocab_size=257, pos_embedding=position)
+                model = GPT(config).to(device)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                x = torch.randint(0, 257, (s["tokens_per_update"] // T, T), device=device)
+
+                def step():
+                    _, loss = model(x, x, return_logits=False)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+
+                def evaluate():
+                    with torch.no_grad():
+                        token_losses(model, x, x)
+
+                times = [timed(step) for _ in range(steps + 1)][1:]  # the first is a warm-up
+                t_step = {k: min(t[i] for t in times) for i, k in enumerate(("wall", "cpu"))}
+                t_eval = dict(zip(("wall", "cpu"), (v * s["val_tokens"] / s["tokens_per_update"]
+                                                    for v in timed(evaluate))))
+                swept = T in s["sweep_contexts"]
+                n_runs = s["seeds"] - swept + len(s["lrs"]) * swept
+                per_run = {k: s["steps"] * t_step[k] + n_evals * t_eval[k] for k in totals}
+                for k in totals:
+                    totals[k] += n_runs * per_run[k]
+                rows[f"{m} T={T}"] = {"update_seconds": t_step, "runs": n_runs, "run_seconds": per_run}
+                report(f"{m:>22} T={T:<6} {t_step['cpu']:6.3f} s/update (cpu; wall {t_step['wall']:6.3f}), "
+                       f"{n_runs} runs x {per_run['cpu'] / 60:5.1f} min")
+    finally:
+        torch.set_num_threads(before)
+    est = {"seconds": {k: v / jobs for k, v in totals.items()}, "jobs": jobs, "threads_per_job": threads,
+           "rows": rows, "load_average": list(os.getloadavg())}
+    report(f"estimate with --jobs {jobs} ({threads} torch thread(s) each): {est['seconds']['cpu'] / 3600:.2f} h "
+           f"from CPU time (an idle machine), {est['seconds']['wall'] / 3600:.2f} h from wall-clock time "
+           f"(this machine now, load average {est['load_average'][0]:.1f})")
+    return est
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -216,6 +493,7 @@ def summarize(s: dict, runs: list) -> dict:
 def table(record: dict) -> str:
     s, summ = record["settings"], record["summary"]
     ref = summ["reference"]
+    tri = record["baselines"]["loss"]["trigram"]
     w = max(len(m) for m in s["mechanisms"]) + 2
     head = f"{'final val loss (nats/byte)':<{w}}" + "".join(f"{'T=' + str(T):>22}" for T in s["contexts"])
     lines = [head, "-" * len(head)]
@@ -228,7 +506,12 @@ def table(record: dict) -> str:
                 cell += f" ({g['mean']:+.3f})"
             cells.append(f"{cell:>22}")
         lines.append(f"{m:<{w}}" + "".join(cells))
-    lines.append(f"(in brackets: gap to {ref}, mean over seeds; lr per mechanism: {record['sweep']['chosen']})")
+    for name in ("trigram", "bigram", "unigram"):
+        lines.append(f"{name + ' (counts)':<{w}}" + "".join(
+            f"{record['baselines']['loss'][name][str(T)]:>22.3f}" for T in s["contexts"]))
+    lines.append(f"(in brackets: gap to {ref}, mean over seeds; a model uses its context only once it beats the "
+                 f"trigram ({', '.join(f'{v:.3f}' for v in tri.values())}) clearly; lr per mechanism and context: "
+                 f"{record['lr']})")
     return "\n".join(lines)
 
 
@@ -236,24 +519,49 @@ def plot(record: dict, out) -> list:
     from pathlib import Path
 
     out = Path(out)
-    s, summ = record["settings"], record["summary"]
+    s, summ, base = record["settings"], record["summary"], record["baselines"]
     plt = study.pyplot()
     mechs, contexts = s["mechanisms"], s["contexts"]
+    info = record["corpus"]
     setting = (f"{s['n_layer']} layers, width {s['n_embd']}, {s['tokens_per_update']} tokens/update, "
-               f"{s['steps']} updates, byte-level {s['source']}")
+               f"{s['steps']} updates,\nbytes of the Python {info['python']} stdlib source "
+               f"(held-out files, {s['val_tokens']} bytes)")
     colors = {m: f"C{i}" for i, m in enumerate(mechs)}
     runs = record["runs"]
     paths = []
 
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    def ngram_lines(ax, xs, key=None):
+        for name, style in (("trigram", "--"), ("bigram", ":"), ("unigram", "-.")):
+            ys = [base["loss"][name][str(T)] for T in xs] if key is None else key(name)
+            if ys is not None:
+                ax.plot(xs, ys, style, color="gray", lw=1, label=f"{name} (counts)")
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
     for m in mechs:
         curves = [[r["final_val_loss"] for r in _select(runs, m, T)] for T in contexts]  # [T][seed]
         study.band(ax, contexts, [list(c) for c in zip(*curves)], label=m, color=colors[m], marker="o")
+    ngram_lines(ax, contexts)
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [str(T) for T in contexts])
+    _clip(ax, runs, base, top_name="bigram")
     study.style(ax, "context length T (tokens per update fixed)", "final held-out loss (nats/byte)",
                 f"final held-out loss against context, mean and min-max over {s['seeds']} seeds\n{setting}")
     paths.append(study.save(fig, out / f"{NAME}_final.png"))
+
+    fig, axes = study.panels([f"T={T}" for T in contexts], sharey=True, size=(4.2, 3.4))
+    for ax, T in zip(axes, contexts):
+        buckets = position_buckets(T)
+        xs = [hi for _, hi in buckets]
+        for m in mechs:
+            curves = [r["final_by_position"] for r in _select(runs, m, T) if r["final_by_position"] is not None]
+            if curves:
+                study.band(ax, xs, curves, label=m, color=colors[m], marker="o")
+        ax.plot(xs, base["by_position"]["trigram"][str(T)], "--", color="gray", lw=1, label="trigram (counts)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{lo}-{hi}" for lo, hi in buckets], fontsize=6)
+    study.finish_panels(fig, axes, "position in the window (bucket)", "held-out loss (nats/byte)",
+                        f"held-out loss by position: falling at late positions = context used (band: seeds)\n{setting}")
+    paths.append(study.save(fig, out / f"{NAME}_position.png"))
 
     shade = {T: plt.cm.viridis(i / max(1, len(contexts) - 1)) for i, T in enumerate(contexts)}
     fig, axes = study.panels(mechs, sharey=True)
@@ -261,23 +569,25 @@ def plot(record: dict, out) -> list:
         for T in contexts:
             rs = _select(runs, m, T)
             tokens = [e["step"] * s["tokens_per_update"] / 1e6 for e in rs[0]["evals"]]
-            study.band(ax, tokens, [[e["val_loss"] for e in r["evals"]] for r in rs], label=f"T={T}",
-                       color=shade[T])
-    _clip_top(axes[0], runs)
+            study.band(ax, tokens, [[e["val_loss"] for e in r["evals"]] for r in rs], label=f"T={T}", color=shade[T])
+        ax.axhline(base["loss"]["trigram"][str(max(contexts))], ls="--", color="gray", lw=1)
+    _clip(axes[0], runs, base)
     study.finish_panels(fig, axes, "training tokens (millions)", "held-out loss",
-                        f"held-out loss during training, every context of each mechanism (band: seeds)\n{setting}")
+                        f"held-out loss during training (band: seeds; dashed: trigram)\n{setting}")
     paths.append(study.save(fig, out / f"{NAME}_curves.png"))
 
     T = summ["longest_context"]
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 5))
     for m in mechs:
         rs = _select(runs, m, T)
         n = min(len(r["evals"]) for r in rs)
         secs = [sum(r["evals"][i]["seconds"] for r in rs) / len(rs) for i in range(n)]
         study.band(ax, secs, [[e["val_loss"] for e in r["evals"]] for r in rs], label=m, color=colors[m])
-    _clip_top(ax, runs)
-    study.style(ax, "training seconds (mean over seeds; one torch thread per run)", "held-out loss (nats/byte)",
-                f"T={T}: held-out loss against wall-clock training time\n{setting}")
+    ax.axhline(base["loss"]["trigram"][str(T)], ls="--", color="gray", lw=1, label="trigram (counts)")
+    _clip(ax, runs, base)
+    threads = runs[0].get("threads") if runs else None
+    study.style(ax, f"training seconds (mean over seeds; {threads} torch thread(s) per run)",
+                "held-out loss (nats/byte)", f"T={T}: held-out loss against wall-clock training time\n{setting}")
     paths.append(study.save(fig, out / f"{NAME}_wallclock.png"))
 
     fig, axes = study.panels([f"{m} (seed 0)" for m in mechs])
@@ -291,13 +601,34 @@ def plot(record: dict, out) -> list:
                         "training loss of every update; red x = spike (> 0.5 nats above the mean of the 20 before)")
     paths.append(study.save(fig, out / f"{NAME}_spikes.png"))
 
-    paths.append(study.plot_sweep(record["sweep"], out / f"{NAME}_lr_sweep.png",
-                                  f"context at T={s['sweep_context']}\n{setting}", "final held-out loss"))
+    paths.append(study.plot_sweep(record["sweep"], out / f"{NAME}_lr_sweep.png", setting, "final held-out loss",
+                                  panel_title=lambda sw: f"T={sw['context']}"))
     return paths
 
 
-def _clip_top(ax, runs) -> None:
+def _clip(ax, runs, base, top_name: str = "unigram") -> None:
     """Keep the first evaluations (about ln 257) from squashing the rest of the curves."""
     finals = [r["final_val_loss"] for r in runs if r["final_val_loss"] is not None]
-    if finals:
-        ax.set_ylim(top=max(finals) + 1.0)
+    tops = finals + list(base["loss"][top_name].values())
+    if tops:
+        ax.set_ylim(top=max(tops) + 0.3)
+
+
+def main(argv=None) -> int:
+    """``python -m lintrans.experiments.context --estimate [--jobs N] [--setting gpu]``: the cost."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lintrans.experiments.context", description=main.__doc__)
+    p.add_argument("--estimate", action="store_true", required=True)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--setting", choices=sorted(PRESETS))
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    s = {**DEFAULT, **(PRESETS[args.setting] if args.setting else {})}
+    validate(s)
+    estimate(s, jobs=args.jobs, device=args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 ORDERS = {"unigram": 1, "bigram": 2, "trigram": 3}
-ALPHA_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+ALPHA_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
 
 
 class NGram:

@@ -90,3 +90,47 @@ def test_corpus_split_by_file(tmp_path):
     assert again.info["sha256"] == c.info["sha256"]
     (tmp_path / "a.py").write_bytes(b"changed")
     assert code_corpus.build(tmp_path).info["sha256"] != c.info["sha256"]
+
+
+def test_position_buckets_and_lr_interpolation():
+    from lintrans.experiments.context import interpolated_lr, position_buckets, split_mechanism
+
+    assert position_buckets(4096) == [(1, 16), (17, 64), (65, 256), (257, 1024), (1025, 4096)]
+    assert position_buckets(100) == [(1, 16), (17, 64), (65, 100)]
+    assert position_buckets(8) == [(1, 8)]
+    assert interpolated_lr({256: 4e-3, 4096: 1e-3}, 1024) == pytest.approx(2e-3, rel=1e-3)  # halfway in log T
+    assert interpolated_lr({256: 4e-3, 4096: 1e-3}, 4096) == 1e-3
+    assert split_mechanism("linear:elu@none") == ("linear:elu", "none")
+    assert split_mechanism("softmax") == ("softmax", "learned")
+    with pytest.raises(ValueError, match="after '@'"):
+        split_mechanism("softmax@rotary")
+
+
+def test_loss_by_position_of_a_tiny_model():
+    import torch
+
+    from lintrans.experiments.context import CodeStream, bucket_means, position_buckets, token_losses
+    from lintrans.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=20, vocab_size=257,
+                          pos_embedding="rope")).eval()
+    corpus = code_corpus.CodeCorpus(train=np.arange(500, dtype=np.uint16) % 257,
+                                    val=(np.arange(300, dtype=np.uint16) * 7) % 257, info={})
+    stream = CodeStream(20, 40, steps=2, seed=0, val_tokens=80, corpus=corpus)
+    ev = stream.evaluate(model)
+    # by hand: every window's per-token loss, then the means over positions 1-16 and 17-20
+    windows = torch.from_numpy(windows_of(corpus.val, 80, 20))
+    with torch.no_grad():
+        logits, _ = model(windows[:, :-1])
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(),
+                                                  reduction="none").view(4, 20)
+    assert ev["val_loss"] == pytest.approx(float(per_token.mean()), rel=1e-6)
+    assert ev["by_position"] == pytest.approx([float(per_token[:, :16].mean()), float(per_token[:, 16:].mean())],
+                                              rel=1e-6)
+    assert position_buckets(20) == [(1, 16), (17, 20)]
+    with torch.no_grad():
+        assert bucket_means(token_losses(model, windows[:, :-1], windows[:, 1:]), 20) == pytest.approx(
+            ev["by_position"], rel=1e-6)
+    x, y = stream.batch(1)
+    assert x.shape == (2, 20) and torch.equal(x[:, 1:], y[:, :-1])

@@ -44,9 +44,17 @@ def check_context(data):
     run = data["runs"][0]
     assert len(run["train_loss"]) == len(run["seconds"]) == s["steps"]
     assert [e["step"] for e in run["evals"]] == list(range(0, s["steps"] + 1, s["eval_every"]))
-    assert set(data["summary"]["final_val_loss"]["linear:elu"]) == {str(T) for T in s["contexts"]}
-    assert data["summary"]["same_time"]["mechanisms"]["softmax"]["finish_seconds"]["n"] == s["seeds"]
-    return len(s["mechanisms"]) * (len(s["lrs"]) + len(s["contexts"]) * s["seeds"] - 1)
+    last = s["mechanisms"][-1]
+    assert set(data["summary"]["final_val_loss"][last]) == {str(T) for T in s["contexts"]}
+    first = s["mechanisms"][0]
+    assert data["summary"]["same_time"]["mechanisms"][first]["finish_seconds"]["n"] == s["seeds"]
+    T = s["contexts"][-1]
+    assert len(run["final_by_position"]) == len(data["summary"]["position_buckets"][str(run["context"])])
+    assert len(data["baselines"]["by_position"]["trigram"][str(T)]) == len(data["summary"]["position_buckets"][str(T)])
+    assert data["corpus"]["python"] and len(data["corpus"]["sha256"]) == 64
+    assert [sw["context"] for sw in data["sweep"]] == s["sweep_contexts"]
+    swept = len(s["sweep_contexts"])
+    return len(s["mechanisms"]) * (swept * len(s["lrs"]) + len(s["contexts"]) * s["seeds"] - swept)
 
 
 def check_recall(data):
@@ -84,7 +92,7 @@ def check_distill(data):
 
 
 STUDIES = {
-    "context": (("final", "curves", "wallclock", "spikes", "lr_sweep"), check_context),
+    "context": (("final", "position", "curves", "wallclock", "spikes", "lr_sweep"), check_context),
     "recall": (("state", "curves", "lr_sweep"), check_recall),
     "regression": (("examples", "extrapolation", "curves", "lr_sweep"), check_regression),
     "distill": (("recovered", "kl", "finetune", "lr_sweep", "teacher_lr_sweep"), check_distill),
@@ -116,7 +124,8 @@ def test_quick_study_writes_its_record_and_resumes(name, tmp_path, capsys):
 
 
 def test_parallel_jobs_give_the_same_results(tmp_path, capsys):
-    args = ["--mechanisms", "softmax", "--seeds", "1", "--set", "contexts=[32]", "--set", "steps=4"]
+    args = ["--mechanisms", "softmax", "--seeds", "1", "--set", "contexts=[32]", "--set", "sweep_contexts=[32]",
+            "--set", "steps=4"]
     assert run_cli("context", tmp_path / "a", *args) == 0
     assert run_cli("context", tmp_path / "b", "--jobs", "2", *args) == 0
     capsys.readouterr()
@@ -124,11 +133,12 @@ def test_parallel_jobs_give_the_same_results(tmp_path, capsys):
     # the same runs; only float rounding differs (the workers have their own torch thread count)
     for ra, rb in zip(a["runs"], b["runs"]):
         assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-4)
-    assert a["sweep"]["chosen"] == b["sweep"]["chosen"]
+    assert a["sweep"][0]["chosen"] == b["sweep"][0]["chosen"]
 
 
 def test_a_stopped_study_redoes_only_the_missing_runs(tmp_path, capsys):
-    args = ["--mechanisms", "softmax", "--set", "contexts=[32]", "--set", "steps=2"]
+    args = ["--mechanisms", "softmax", "--set", "contexts=[32]", "--set", "sweep_contexts=[32]",
+            "--set", "steps=2"]
     assert run_cli("context", tmp_path, *args) == 0
     done = sorted((tmp_path / "runs").glob("*.json"))
     for p in done[:2]:  # as if the study had been killed before these two finished
@@ -141,6 +151,7 @@ def test_a_stopped_study_redoes_only_the_missing_runs(tmp_path, capsys):
 
 def test_plot_only_redraws(tmp_path, capsys):
     assert run_cli("context", tmp_path, "--mechanisms", "softmax", "--seeds", "1", "--set", "contexts=[32]",
+                   "--set", "sweep_contexts=[32]",
                    "--set", "steps=2") == 0
     (tmp_path / "context_final.png").unlink()
     assert main(["experiment", "context", "--plot-only", "--out", str(tmp_path)]) == 0
@@ -159,7 +170,7 @@ def test_quick_does_not_default_to_the_record_folder():
     ("context", ["--set", "contexts=[32,48]"], "multiples of every context"),
     ("context", ["--set", "nope=1"], "unknown setting"),
     ("context", ["--set", "steps=x"], "steps"),
-    ("context", ["--set", "sweep_context=16"], "sweep_context"),
+    ("context", ["--set", "sweep_contexts=[32]"], "sweep_contexts"),
     ("context", ["--jobs", "0"], "--jobs"),
     ("context", ["--lrs", "2"], "lrs"),
     ("context", ["--set", "contexts=64"], "contexts"),
@@ -168,7 +179,9 @@ def test_quick_does_not_default_to_the_record_folder():
     ("recall", ["--set", "vocab_size=4"], "vocab_size"),
     ("recall", ["--mechanisms", "sliding-window:bogus=1"], "bogus"),
     ("recall", ["--setting", "bogus"], "--setting for recall must be one of ['hard'], got 'bogus'"),
-    ("context", ["--setting", "hard"], "--setting for context must be one of [], got 'hard'"),
+    ("context", ["--setting", "hard"], "--setting for context must be one of ['gpu'], got 'hard'"),
+    ("context", ["--mechanisms", "linear:elu@rope"], "pos_embedding='rope'"),
+    ("context", ["--mechanisms", "softmax@bogus"], "after '@' must be one of"),
     ("regression", ["--set", "eval_points=3"], "eval_points"),
     ("regression", ["--set", "curriculum=1.5"], "curriculum"),
     ("regression", ["--seeds", "0"], "seeds"),
