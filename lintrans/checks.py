@@ -32,7 +32,11 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
 
 def check_choice(name: str, value, allowed) -> None:
     """ValueError naming ``name`` and the allowed values when ``value`` is not one of ``allowed``."""
-    if value not in allowed:
+    try:
+        known = value in allowed
+    except TypeError:  # an unhashable value against a set or dict's keys
+        known = False
+    if not known:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 

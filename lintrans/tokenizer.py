@@ -11,6 +11,8 @@ import functools
 import hashlib
 from importlib import resources
 
+from lintrans.checks import check_choice
+
 TOKENIZERS = ("gpt2", "bytes")
 
 # GPT-2's pre-tokenisation regex, as published with the GPT-2 encoder.
@@ -88,8 +90,5 @@ def _load_gpt2_ranks() -> dict[bytes, int]:
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str):
     """Return the tokenizer called ``name`` (one of ``TOKENIZERS``); cached, so cheap to call again."""
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "bytes":
-        return ByteTokenizer()
-    raise ValueError(f"tokenizer must be one of {list(TOKENIZERS)}, got {name!r}")
+    check_choice("tokenizer", name, TOKENIZERS)
+    return GPT2Tokenizer() if name == "gpt2" else ByteTokenizer()

@@ -78,14 +78,15 @@ def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] =
     QUICK with --quick, then --set items, then flags."""
     import dataclasses
 
+    from lintrans.checks import check_choice
     from lintrans.config import apply_flags, apply_overrides, set_key
 
     from .study import setting_label, settings_class
 
     settings = settings_class(mod.NAME, mod.DEFAULT, getattr(mod, "LIMITS", None))()
     presets = getattr(mod, "PRESETS", {})
-    if setting is not None and setting not in presets:
-        raise ValueError(f"--setting for {mod.NAME} must be one of {sorted(presets)}, got {setting!r}")
+    if setting is not None:
+        check_choice(f"--setting for {mod.NAME}", setting, sorted(presets))
     for key, value in (presets[setting].items() if setting is not None else ()):
         set_key(settings, key, value, label=setting_label)
     for key, value in (mod.QUICK.items() if quick else ()):

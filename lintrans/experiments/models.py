@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from lintrans.checks import check_choice
 from lintrans.models.config import GPTConfig
 from lintrans.models.gpt import GPT
 from lintrans.nn.registry import available_attention
@@ -24,8 +25,7 @@ def parse_attention(spec: str) -> tuple[str, dict]:
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"attention spec must be a non-empty string such as 'softmax' or 'linear:elu', got {spec!r}")
     name, _, rest = spec.partition(":")
-    if name not in available_attention():
-        raise ValueError(f"attention spec {spec!r}: attention must be one of {available_attention()}, got {name!r}")
+    check_choice(f"attention spec {spec!r}: attention", name, available_attention())
     options: dict = {}
     if rest and "=" not in rest:
         if name != "linear":
@@ -33,8 +33,7 @@ def parse_attention(spec: str) -> tuple[str, dict]:
                              "use NAME:key=value,... for other options")
         from lintrans.nn.attention import feature_map_names
 
-        if rest not in feature_map_names():
-            raise ValueError(f"attention spec {spec!r}: feature map must be one of {feature_map_names()}, got {rest!r}")
+        check_choice(f"attention spec {spec!r}: feature map", rest, feature_map_names())
         options["feature_map"] = rest
     elif rest:
         for item in rest.split(","):

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from lintrans.checks import check_choice
+
 from .._io import atomic_write, atomic_write_text
 from .config import GPTConfig
 from .gpt import GPT
@@ -149,8 +151,7 @@ def config_from_hf(hf: dict) -> GPTConfig:
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"only GPT-2 Hugging Face models are supported, got model_type {hf.get('model_type')!r}")
     act = hf.get("activation_function", "gelu_new")
-    if act not in _HF_GELU:
-        raise ValueError(f"activation_function must be one of {sorted(_HF_GELU)}, got {act!r}")
+    check_choice("activation_function", act, sorted(_HF_GELU))
     n_embd = hf.get("n_embd", 768)
     if hf.get("n_inner") not in (None, 4 * n_embd):
         raise ValueError(f"n_inner must be 4 * n_embd ({4 * n_embd}), got {hf['n_inner']}")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .native import aft as native_aft
 from .scan import decayed_scan
-from .validation import check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
+from .validation import check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
 
 VARIANTS = ("full", "simple", "local", "conv")
 # state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])
@@ -63,8 +63,7 @@ BANDED_RATIO = 1.0
 
 
 def _check_variant_args(variant, pos_bias, window, T: int, H: int) -> None:
-    if not isinstance(variant, str) or variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    check_choice("variant", variant, VARIANTS)
     if variant == "simple":
         if pos_bias is not None:
             raise ValueError("pos_bias must be None for variant 'simple' (it has no position bias)")

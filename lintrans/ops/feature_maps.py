@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .validation import check_positive_int
+from .validation import check_choice, check_positive_int
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -127,8 +127,7 @@ def feature_dim_for(kind: str, head_dim: int, n_head: int = 1) -> int:
     by default) and p^2 for ``rebased_full``; the result is ``n_head * p``.
     Example: head_dim=64 -> based 10 (F=66), rebased 11 (F=66), rebased_full 8 (F=64).
     """
-    if kind not in _EXPANDED_DIM:
-        raise ValueError(f"kind must be one of {sorted(_EXPANDED_DIM)}, got {kind!r}")
+    check_choice("kind", kind, sorted(_EXPANDED_DIM))
     check_positive_int("head_dim", head_dim)
     check_positive_int("n_head", n_head)
     expanded = _EXPANDED_DIM[kind]

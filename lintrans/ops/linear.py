@@ -25,7 +25,9 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
+from .validation import (
+    autocast_off, check_choice, check_number, check_positive_int, check_qkv, compute_dtype, reads_values,
+)
 from .scan import decayed_scan
 from .feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 from .native import chunked as native_chunked
@@ -656,8 +658,7 @@ def linear_attention(
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     if log_decay is not None:
         _check_log_decay(log_decay, B, T, H, q.device)
-    if not isinstance(form, str) or form not in FORMS:
-        raise ValueError(f"form must be one of {list(FORMS)}, got {form!r}")
+    check_choice("form", form, FORMS)
     if isinstance(chunk_size, str) and chunk_size != "auto" or not isinstance(chunk_size, (int, str)):
         raise TypeError(f"chunk_size must be an int >= 1 or 'auto', got {chunk_size!r}")
     if chunk_size != "auto":

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_number, check_tensor, compute_dtype, warn_if_head_first
+from .validation import check_choice, check_number, check_tensor, compute_dtype, warn_if_head_first
 
 SELF_SCORE = -1e5  # a token's score with itself (the paper's 10^5 penalty)
 LOOKBACKS = ("chunk", "window")
@@ -49,8 +49,7 @@ def check_lsh_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback) -
     check_number("seed", seed, integer=True)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if lookback not in LOOKBACKS:
-        raise ValueError(f"lookback must be one of {list(LOOKBACKS)}, got {lookback!r}")
+    check_choice("lookback", lookback, LOOKBACKS)
 
 
 def _check_inputs(qk, v) -> tuple[int, int, int, int, int]:

@@ -14,6 +14,8 @@ import ast
 import sysconfig
 from pathlib import Path
 
+from lintrans.checks import check_choice
+
 BUILTIN_CORPORA = ("python-docs",)
 CORPUS_VERSION = 2  # bump when the extraction below changes, so cached tokens are rebuilt
 
@@ -23,7 +25,7 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "tur
 
 def builtin_corpus_files(name: str) -> list[Path]:
     """The files built-in corpus ``name`` is read from (their bytes key the token cache)."""
-    _check_name(name)
+    check_choice("built-in corpus", name, BUILTIN_CORPORA)
     import pydoc_data.topics
 
     return [Path(pydoc_data.topics.__file__)] + _stdlib_files() + _numpy_files()
@@ -31,13 +33,8 @@ def builtin_corpus_files(name: str) -> list[Path]:
 
 def builtin_corpus(name: str) -> list[str]:
     """The documents of built-in corpus ``name``; each is one text, separated by end-of-text in training."""
-    _check_name(name)
+    check_choice("built-in corpus", name, BUILTIN_CORPORA)
     return _topics() + _docstrings(_stdlib_files()) + _docstrings(_numpy_files())
-
-
-def _check_name(name: str) -> None:
-    if name not in BUILTIN_CORPORA:
-        raise ValueError(f"built-in corpus must be one of {list(BUILTIN_CORPORA)}, got {name!r}")
 
 
 def _topics() -> list[str]:

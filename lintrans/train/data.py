@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lintrans._platform import cache_dir
-from lintrans.checks import check_number
+from lintrans.checks import check_choice, check_number
 
 from .tokenizer import GPT2_RANKS_SHA256
 
@@ -119,14 +119,11 @@ def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "tra
     """Turn a source spec (see module doc) into a TextSource or TokenSource; clear errors if absent/empty."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"data.source must be a non-empty string, got {spec!r}")
-    if bin_dtype not in BIN_DTYPES:
-        raise ValueError(f"data.bin_dtype must be one of {list(BIN_DTYPES)}, got {bin_dtype!r}")
+    check_choice("data.bin_dtype", bin_dtype, BIN_DTYPES)
     if spec.startswith("builtin:"):
-        from .corpus import BUILTIN_CORPORA, builtin_corpus_files
+        from .corpus import builtin_corpus_files
 
         name = spec[len("builtin:"):]
-        if name not in BUILTIN_CORPORA:
-            raise ValueError(f"built-in corpus must be one of {list(BUILTIN_CORPORA)}, got {name!r}")
         return TextSource(spec, files=builtin_corpus_files(name), builtin=name)
     if spec.startswith("hf:"):
         name, _, config = spec[len("hf:"):].partition(":")
