@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lintrans.checks import check_positive_int
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
@@ -70,12 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
         print("lintrans sample: --prompt must not be empty", file=sys.stderr)
         return 2
-    if args.num_samples < 1:
-        print(f"lintrans sample: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
-        return 2
     from .generate import check_sampling
 
     try:  # before anything is printed
+        check_positive_int("--num-samples", args.num_samples)
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     except (ValueError, TypeError) as e:
         print(f"lintrans sample: {e}", file=sys.stderr)

@@ -42,7 +42,7 @@ def test_sample_bad_input(byte_checkpoint, tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "0"]) == 2
     assert "max_new_tokens must be an int >= 1" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(path), "--num-samples", "0"]) == 2
-    assert "--num-samples must be >= 1" in capsys.readouterr().err
+    assert "--num-samples must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_sample_on_a_training_run_folder_names_its_checkpoint(tmp_path, capsys):
