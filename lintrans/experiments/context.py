@@ -352,7 +352,10 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
     runs = [{"attention": m, "context": T, "seed": seed, "lr": spec["lr"], "key": study.run_key(spec), **result}
             for (m, T, seed), spec, result in zip(grid, specs, runner.run(specs))]
     baselines = _baselines(s, out, sha)
-    return {"settings": s, "corpus": corpus.info, "baselines": baselines, "sweep": sweeps,
+    # a rate chosen at the grid's edge may not be the best: the grid should then be widened
+    edge = {str(sw["context"]): [m for m in mechs if sw["chosen"][m] in (min(s["lrs"]), max(s["lrs"]))]
+            for sw in sweeps}
+    return {"settings": s, "corpus": corpus.info, "baselines": baselines, "sweep": sweeps, "lr_at_grid_edge": edge,
             "lr": {m: {str(T): lr for T, lr in r.items()} for m, r in rates.items()}, "runs": runs,
             "summary": summarize(s, runs, baselines),
             "load_average": {"start": list(load_before), "end": list(os.getloadavg())}, **runner.counts()}
@@ -512,6 +515,9 @@ def table(record: dict) -> str:
     lines.append(f"(in brackets: gap to {ref}, mean over seeds; a model uses its context only once it beats the "
                  f"trigram ({', '.join(f'{v:.3f}' for v in tri.values())}) clearly; lr per mechanism and context: "
                  f"{record['lr']})")
+    edge = {T: ms for T, ms in record.get("lr_at_grid_edge", {}).items() if ms}
+    if edge:
+        lines.append(f"learning rate chosen at the edge of the grid {s['lrs']} (widen it): {edge}")
     return "\n".join(lines)
 
 
