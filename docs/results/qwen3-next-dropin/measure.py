@@ -205,7 +205,8 @@ def main() -> None:
     for n, t in times.items():
         results[n] = {
             "prefill_s": statistics.median(t["prefill"]), "prefill_runs_s": t["prefill"],
-            "prefill_in_delta_rule_s": statistics.median(t["prefill_op"]), "prefill_in_delta_rule_runs_s": t["prefill_op"],
+            "prefill_in_delta_rule_s": statistics.median(t["prefill_op"]),
+            "prefill_in_delta_rule_runs_s": t["prefill_op"],
             "decode_per_token_s": statistics.median(t["decode"]), "decode_per_token_runs_s": t["decode"],
             "decode_in_delta_rule_s": statistics.median(t["decode_op"]), "decode_in_delta_rule_runs_s": t["decode_op"],
         }
