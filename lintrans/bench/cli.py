@@ -37,6 +37,7 @@ class Profile:
     forms: tuple[str, ...]
     caps: Caps
     ops_only: Optional[list[str]] = None
+    forward_only: bool = False  # ops: time the forward pass alone
     decoders: tuple[str, ...] = ("softmax", "linear")
     mechanisms: tuple[str, ...] = ()  # other attention names for train, e.g. gated-linear
     notes: dict = field(default_factory=dict)
@@ -80,6 +81,8 @@ class BenchOptions:
                                                            "low": 1})
     ops: Optional[list[str]] = field(default=None, metadata={
         "help": "op series to include (substrings, e.g. chunked softmax)"})
+    forward_only: bool = field(default=False, metadata={
+        "help": "ops: time the forward pass alone, without gradients (default: forward + backward)"})
     sizes: Optional[list[str]] = field(default=None, metadata={
         "help": "model sizes for train/generate (default: the profile's)"})
     forms: Optional[list[str]] = field(default=None, metadata={
@@ -144,8 +147,9 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         n = len(op_series(64, device=device)) * len(prof.ops_T)
         bar = Progress(n, "ops")
         points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, gated_chunk=gated_chunk,
-                         device=device, on_point=bar)
-        title = "causal attention op, forward + backward (B=1, H=8, D=64, float32)"
+                         device=device, on_point=bar, backward=not prof.forward_only)
+        passes = "forward only" if prof.forward_only else "forward + backward"
+        title = f"causal attention op, {passes} (B=1, H=8, D=64, float32)"
         from .peers import FLA_GATED_SERIES, FLA_SERIES
 
         comparisons = [("linear chunked", "softmax (SDPA)"), (GATED_OP, "linear chunked"), (GATED_OP, "softmax (SDPA)"),
@@ -273,6 +277,7 @@ def build_profile(args: BenchOptions) -> Profile:
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2
     prof.caps.memory_bytes = int(mem) or None
     prof.ops_only = args.ops
+    prof.forward_only = args.forward_only
     from .sizes import resolve_size
     from .train import LINEAR_FORMS
 

@@ -105,12 +105,20 @@ def _first(result):
 
 
 def make_op_step(fn: Callable, T: int, *, B: int = 1, H: int = 8, D: int = 64, dtype=torch.float32,
-                 device: str = "cpu") -> Callable[[], None]:
+                 device: str = "cpu", backward: bool = True) -> Callable[[], None]:
+    """One timed step of the op: forward + backward, or with ``backward=False`` the forward alone
+    under ``torch.no_grad()`` (what inference and prefill pay)."""
     if isinstance(fn, PerT):
         fn = fn.make(T)
     g = torch.Generator(device="cpu").manual_seed(T)
-    q, k, v = (torch.randn(B, T, H, D, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(B, T, H, D, generator=g).to(device, dtype).requires_grad_(backward) for _ in range(3))
     grad = torch.randn(B, T, H, D, generator=g).to(device, dtype)
+    if not backward:
+        def forward():
+            with torch.no_grad():
+                fn(q, k, v)
+
+        return forward
 
     def step():
         for x in (q, k, v):
@@ -137,12 +145,12 @@ def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Cal
 
 
 def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, gated_chunk=None,
-            H: int = 8, D: int = 64, device: str = "cpu", on_point=None) -> list[Point]:
+            H: int = 8, D: int = 64, device: str = "cpu", on_point=None, backward: bool = True) -> list[Point]:
     series = op_series(chunk_size, gated_chunk=gated_chunk, device=device)
     if only:
         series = select_series(series, only)
     def make(T, name, fn):
-        step = make_op_step(fn, T, H=H, D=D, device=device)
+        step = make_op_step(fn, T, H=H, D=D, device=device, backward=backward)
         chunk = gated_chunk if name == GATED_OP and gated_chunk is not None else chunk_size
         if name in ("linear chunked", "linear attention_blocked", GATED_OP):  # what the FLOP count depends on
             return step, {"chunk_size": chunk(T) if callable(chunk) else chunk}
