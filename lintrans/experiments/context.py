@@ -54,8 +54,8 @@ DEFAULT = {
     "n_head": 4,
     "n_embd": 128,
     "tokens_per_update": 4096,
-    "steps": 400,
-    "eval_every": 80,
+    "steps": 250,
+    "eval_every": 50,
     "val_tokens": 65536,
     "corpus": "python-stdlib-code",
 }
