@@ -48,7 +48,7 @@ DEFAULT = {
                    "deltanet@none", "gated-deltanet@none"],
     "contexts": [256, 1024, 4096],
     "sweep_contexts": [256, 4096],
-    "lrs": [1.5e-3, 3e-3, 6e-3],
+    "lrs": [1e-3, 2e-3, 4e-3],
     "seeds": 3,
     "n_layer": 4,
     "n_head": 4,
