@@ -20,5 +20,5 @@ def test_every_training_key_is_listed_with_help_type_and_default(capsys, monkeyp
         if meta["default"] not in (None, {}, []):
             default = meta["default"] if isinstance(meta["default"], str) else str(meta["default"]).lower()
             assert f"default {default}]" in out or f"default {meta['default']}]" in out, key
-    assert "--model.n_layer INT transformer blocks [default 12]" in out
-    assert "--train.max_steps INT optimizer steps of the whole run [default 1000]" in out
+    assert "--model.n_layer INT transformer blocks [an int >= 1; default 12]" in out
+    assert "--train.max_steps INT optimizer steps of the whole run [an int >= 1; default 1000]" in out
