@@ -399,7 +399,7 @@ int backward(const DeltaArgs& a) {
           static_cast<T*>(a.dbeta)[o] = w.dbeta[i];
           if (gated) static_cast<T*>(a.dld)[o] = acc += w.db[i];
         }
-        std::memcpy(dS.data(), w.dSn.data(), KV * sizeof(T));
+        dS.swap(w.dSn);  // the gradient before this chunk is the one after the chunk before it
       }
       std::memcpy(static_cast<T*>(a.dS0) + bh * KV, dS.data(), KV * sizeof(T));
     }
