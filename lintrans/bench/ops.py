@@ -46,14 +46,29 @@ def op_series(chunk_size, feature_map: str = "elu", gated_chunk=None, device: st
 GATED_OP = "linear chunked gated"
 
 
+_GATE_LOGITS: dict = {}
+
+
+def gate_logits(q: torch.Tensor) -> torch.Tensor:
+    """Two logits per token and head, [2, B, T, H], for q's shape: leaf tensors that take gradients
+    when q does, as a layer's gate projections give them, made once per shape. (A gate computed from q
+    itself would time a gradient of q's slice as large as q, which no layer has.)"""
+    key = (tuple(q.shape[:3]), q.device, q.dtype, q.requires_grad)
+    if key not in _GATE_LOGITS:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(2, *q.shape[:3], generator=g).to(q.device, q.dtype)
+        _GATE_LOGITS[key] = x.requires_grad_(q.requires_grad)
+    return _GATE_LOGITS[key]
+
+
 def _gated(chunk: int, feature_map: str, backend: str = "torch") -> Callable:
-    """Chunked linear attention with a data-dependent decay per token and head: the gate is computed
-    from q (log_decay = -softplus(q[..., 0]) / 16, [B, T, H]), so its backward is timed too, as a
-    trained gate's would be. ``backend="fla"``: the same through fla's kernel (bench/peers.py)."""
+    """Chunked linear attention with a data-dependent decay per token and head, log_decay =
+    -softplus(a) / 16 [B, T, H] from ``gate_logits``, so its backward is timed too, as a trained
+    gate's would be. ``backend="fla"``: the same through fla's kernel (bench/peers.py)."""
     from lintrans.ops import linear_attention
 
     def fn(q, k, v):
-        log_decay = -torch.nn.functional.softplus(q[..., 0]) / 16  # [B,T,H]
+        log_decay = -torch.nn.functional.softplus(gate_logits(q)[0]) / 16  # [B,T,H]
         return linear_attention(q, k, v, feature_map=feature_map, chunk_size=chunk, log_decay=log_decay,
                                 backend=backend)[0]
 
@@ -64,9 +79,11 @@ DELTA_OP, GATED_DELTA_OP = "delta", "gated-delta"
 
 
 def delta_gates(q: torch.Tensor):
-    """The write strength and gate the delta series compute from q (so that their backward is timed
-    too, as trained ones would be): beta = sigmoid(q[..., 1]), log_decay = -softplus(q[..., 0]) / 16."""
-    return torch.sigmoid(q[..., 1]), -torch.nn.functional.softplus(q[..., 0]) / 16
+    """The write strength and gate of the delta series, from ``gate_logits`` (so that their backward
+    is timed too, as trained ones' would be): beta = sigmoid(b), log_decay = -softplus(a) / 16, the
+    gate of ``linear chunked gated``."""
+    a, b = gate_logits(q)
+    return torch.sigmoid(b), -torch.nn.functional.softplus(a) / 16
 
 
 def delta_ops() -> dict[str, Callable]:

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lintrans.ops.delta import DELTA_FORMS, delta_rule, delta_rule_step
+from lintrans.ops.delta.api import NATIVE_CHUNK
 
 from .attention import QKVAttention, check_options
 from .registry import register_attention
@@ -35,7 +36,8 @@ from .registry import register_attention
 @dataclass
 class DeltaNetOptions:
     form: str = field(default="chunked", metadata={"choices": DELTA_FORMS})
-    chunk_size: int = field(default=64, metadata={"low": 1})
+    chunk_size: Optional[int] = field(default=None, metadata={
+        "low": 1, "help": "chunk of the chunked form (default: the op's, the fastest measured for its path)"})
     conv_size: int = field(default=4, metadata={
         "low": 0, "help": "kernel of the causal depthwise convolution on q, k, v (0: none, SiLU only)"})
     allow_neg_eigval: bool = field(default=False, metadata={
@@ -148,7 +150,7 @@ class DeltaNet(QKVAttention):
         N, h = shape.n_head, shape.head_dim
         if cls.option(shape, "form") == "recurrent":
             return float(6 * B * N * T * h * h)
-        c = min(cls.option(shape, "chunk_size"), T)
+        c = min(cls.option(shape, "chunk_size") or NATIVE_CHUNK, T)
         n, r = divmod(T, c)
         per = sum(m * (10 * L * L * h + 6 * L * h * h + 2 * L ** 3 / 3) for m, L in ((n, c), (1 if r else 0, r)))
         return float(B * N * per)

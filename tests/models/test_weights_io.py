@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from lintrans.models import GPT, GPTConfig  # noqa: E402
 from lintrans.models.hf import (  # noqa: E402
+    AttentionSwapWarning,
     from_pretrained,
     load_model,
     save_hf,
@@ -201,7 +202,8 @@ def test_linearising_keeps_every_weight(tmp_path, monkeypatch):
     fake_hf_cache(tmp_path)
     soft = GPT.from_pretrained("gpt2")
     opts = {"feature_map": "rebased"} if _has_module_maps() else {"feature_map": "softplus"}
-    lin = GPT.from_pretrained("gpt2", attention="linear", attention_options=opts)
+    with pytest.warns(AttentionSwapWarning, match="trained with 'softmax' attention and is loaded with 'linear'"):
+        lin = GPT.from_pretrained("gpt2", attention="linear", attention_options=opts)
     assert lin.config.attention == "linear"
     assert isinstance(lin.transformer.h[0].attn, type(GPT(lin.config).transformer.h[0].attn))
     soft_sd = soft.state_dict()

@@ -167,7 +167,7 @@ def test_mamba2_decay_init_and_range():
 
 @pytest.mark.parametrize("opts, error, match", [
     ({"form": "attention"}, ValueError, r"attention_options\['form'\] must be one of \['recurrent', 'chunked'\]"),
-    ({"chunk_size": 0}, ValueError, r"attention_options\['chunk_size'\] must be an int >= 1, got 0"),
+    ({"chunk_size": 0}, ValueError, r"attention_options\['chunk_size'\] must be an int >= 1 or None, got 0"),
     ({"conv_size": -1}, ValueError, r"attention_options\['conv_size'\] must be an int >= 0, got -1"),
     ({"conv_size": 2.5}, TypeError, r"attention_options\['conv_size'\] must be an int"),
     ({"allow_neg_eigval": "yes"}, TypeError, r"attention_options\['allow_neg_eigval'\] must be a bool"),
@@ -195,10 +195,12 @@ def test_cost_terms(attention, n_kv_head, bias):
     one = ModelShape(**{**shape.__dict__, "n_layer": 1})
     rec = ModelShape(**{**one.__dict__, "attention_options": {"form": "recurrent"}})
     assert attention_core_flops(rec, 100) == 6 * N * 100 * h * h
-    c = 64  # T = 100: one chunk of 64 and one of 36
     per = lambda L: 10 * L * L * h + 6 * L * h * h + 2 * L ** 3 / 3  # noqa: E731
-    assert math.isclose(attention_core_flops(one, 100), N * (per(c) + per(36)))
-    assert math.isclose(attention_core_flops(one, 128, B=3), 3 * N * 2 * per(c))
+    # the default chunk (None) is the CPU kernel's, 32: T = 100 is three chunks of 32 and one of 4
+    assert math.isclose(attention_core_flops(one, 100), N * (3 * per(32) + per(4)))
+    c64 = ModelShape(**{**one.__dict__, "attention_options": {"chunk_size": 64}})
+    assert math.isclose(attention_core_flops(c64, 100), N * (per(64) + per(36)))  # one chunk of 64, one of 36
+    assert math.isclose(attention_core_flops(c64, 128, B=3), 3 * N * 2 * per(64))
 
 
 @pytest.mark.parametrize("attention", MECHS)

@@ -12,6 +12,8 @@ from . import chunked as _chunked_form
 from .reference import l2_normalized, step, token_loop
 
 DELTA_FORMS = ("recurrent", "chunked")
+# chunk_size=None picks these, the fastest measured for each path (docs/delta-rule.md, "Speed on a CPU")
+NATIVE_CHUNK, TORCH_CHUNK = 32, 64
 _native_enabled = True  # tests turn the fused kernel off to reach the PyTorch chunked form
 
 
@@ -63,7 +65,7 @@ def delta_rule(
     *,
     log_decay: Optional[torch.Tensor] = None,
     form: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: Optional[int] = None,
     scale: Optional[float] = None,
     l2_normalize: bool = True,
     initial_state: Optional[torch.Tensor] = None,
@@ -80,6 +82,8 @@ def delta_rule(
     ``use_qk_l2norm_in_kernel`` and transformers). scale: defaults to ``Dk ** -0.5``.
     log_decay: None, [B, T, H] or a fixed [H]; finite and <= 0.
     form: ``"chunked"`` (the WY representation, the fast one) or ``"recurrent"`` (the token loop).
+    chunk_size: the chunk of the chunked form; None: 32 for the fused CPU kernel, 64 for the PyTorch
+    form (the fastest measured for each; any size gives the same result up to rounding).
     initial_state: S [B, H, Dk, Dv] from an earlier call (any float dtype; used in the state dtype).
     Returns (o [B, T, H, Dv] in q's dtype, S [B, H, Dk, Dv] in float32, or float64 for float64
     inputs, when ``output_final_state``, else None). bf16/fp16 inputs are computed in float32.
@@ -91,7 +95,7 @@ def delta_rule(
         _check_log_decay(log_decay, B, T, H, q.device)
     if not isinstance(form, str) or form not in DELTA_FORMS:
         raise ValueError(f"form must be one of {list(DELTA_FORMS)}, got {form!r}")
-    check_positive_int("chunk_size", chunk_size)
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
     _check_options(scale, l2_normalize)
     if initial_state is not None:
         _check_state(initial_state, B, H, Dk, Dv, q.device, "initial_state")
@@ -103,7 +107,8 @@ def delta_rule(
                 *(x.to(dtype) for x in (q, k, v, beta)), None):
             ld = None if log_decay is None else log_decay.to(dtype)
             o, S = _chunked_form.native_chunked(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), ld, S0,
-                                                chunk_size, l2_normalize, Dk**-0.5 if scale is None else scale)
+                                                chunk_size or NATIVE_CHUNK, l2_normalize,
+                                                Dk**-0.5 if scale is None else scale)
             return o.to(q.dtype), (S if output_final_state else None)
         qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
         qs, ks, vs = (x.transpose(1, 2) for x in (qs, ks, v.to(dtype)))  # [B,H,T,D]
@@ -113,7 +118,7 @@ def delta_rule(
             o, S = token_loop(qs, ks, vs, bs, ld, S0)
         else:
             o, S = _chunked_form.chunked(qs.contiguous(), ks.contiguous(), vs.contiguous(), bs.contiguous(),
-                                         ld, S0.contiguous(), chunk_size)
+                                         ld, S0.contiguous(), chunk_size or TORCH_CHUNK)
     return o.transpose(1, 2).to(q.dtype), (S if output_final_state else None)
 
 
