@@ -241,6 +241,17 @@ def _load_average() -> Optional[list]:
         return None
 
 
+def _each_one_of(flag: str, values, allowed) -> None:
+    """SystemExit naming ``flag`` unless every value is one of ``allowed`` (checks.check_choice)."""
+    from lintrans.checks import check_choice
+
+    try:
+        for value in values:
+            check_choice(f"each {flag}", value, allowed)
+    except ValueError as e:
+        raise SystemExit(f"lintrans bench: {e}")
+
+
 def build_profile(args: BenchOptions) -> Profile:
     """The profile ``args.profile`` with the changes the command line asks for, checked."""
     from lintrans.config import check_fields, flag_name
@@ -268,9 +279,7 @@ def build_profile(args: BenchOptions) -> Profile:
     if args.decoders:
         from .generate import DECODERS
 
-        bad = [d for d in args.decoders if d not in DECODERS]
-        if bad:
-            raise SystemExit(f"lintrans bench: --decoders must be among {list(DECODERS)}, got {bad[0]!r}")
+        _each_one_of("--decoders", args.decoders, DECODERS)
         prof.decoders = tuple(dict.fromkeys(args.decoders))
     if args.time_cap:
         prof.caps.time_s = args.time_cap
@@ -286,9 +295,7 @@ def build_profile(args: BenchOptions) -> Profile:
             args.sizes = [resolve_size(name, "--sizes") for name in args.sizes]
         except ValueError as e:
             raise SystemExit(f"lintrans bench: {e}")
-    for form in args.forms or ():
-        if form not in LINEAR_FORMS:
-            raise SystemExit(f"lintrans bench: --forms must be among {list(LINEAR_FORMS)}, got {form!r}")
+    _each_one_of("--forms", args.forms or (), LINEAR_FORMS)
     if args.repeats is not None:
         prof.caps.repeats = args.repeats
         # asked for by number: all of them, whatever the profile's time budget per point (which
@@ -297,10 +304,8 @@ def build_profile(args: BenchOptions) -> Profile:
     if args.mechanisms:
         from lintrans.nn.registry import available_attention
 
-        known = [a for a in available_attention() if a not in ("softmax", "linear", "none")]
-        for name in args.mechanisms:
-            if name not in known:
-                raise SystemExit(f"lintrans bench: --mechanisms must be among {known}, got {name!r}")
+        _each_one_of("--mechanisms", args.mechanisms,
+                     [a for a in available_attention() if a not in ("softmax", "linear", "none")])
         prof.mechanisms = tuple(args.mechanisms)
     prof.sizes = tuple(args.sizes) if args.sizes else prof.sizes
     prof.forms = tuple(args.forms) if args.forms else prof.forms

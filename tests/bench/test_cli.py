@@ -116,7 +116,7 @@ def test_bench_train_with_gated_mechanisms(tmp_path, monkeypatch):
 def test_bench_rejects_unknown_mechanism():
     import pytest
 
-    with pytest.raises(SystemExit, match="--mechanisms must be among"):
+    with pytest.raises(SystemExit, match="each --mechanisms must be one of"):
         main(["bench", "train", "--mechanisms", "linear"])
 
 
