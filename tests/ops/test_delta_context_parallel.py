@@ -1,13 +1,11 @@
 """Context-parallel delta rule: 2 and 4 gloo processes against one process, outputs, final state and
 gradients (q, k, v, beta, log_decay, initial_state), float64."""
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo import group_of_one, join, spawn
 from lintrans.ops import context_parallel_delta_rule, delta_rule
 
 B, H, DK, DV = 2, 2, 3, 4
@@ -64,7 +62,7 @@ def _check(rank, R, lengths, *, gate, initial_state, form="chunked"):
 
 
 def _worker(rank, R, port, T_r):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
+    join(rank, R, port)
     torch.set_num_threads(1)
     try:
         for gate in (None, "token", "fixed"):
@@ -83,22 +81,14 @@ def _worker(rank, R, port, T_r):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("R,T_r", [(2, 7), (4, 3)])
 def test_matches_one_process(R, T_r):
     """T_r = 7 with chunk 4: a partial chunk on every rank; T_r = 3: every rank's slice within one chunk."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(R, _free_port(), T_r), nprocs=R)
+    spawn(_worker, R, T_r)
 
 
 def test_one_rank_is_the_plain_op():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
+    with group_of_one():
         x = _inputs(9, "token")
         S0 = torch.randn(B, H, DK, DV, dtype=torch.float64)
         a = context_parallel_delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
@@ -106,5 +96,3 @@ def test_one_rank_is_the_plain_op():
         b = delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"], initial_state=S0,
                        output_final_state=True)
         torch.testing.assert_close(a, b, **TOL)
-    finally:
-        dist.destroy_process_group()
