@@ -161,7 +161,28 @@ def study_spec(s: dict, mechanism: str, context: int, lr: float, seed: int, corp
             "corpus_sha256": corpus_sha256, **{k: s[k] for k in keys}}
 
 
-class CodeStream:
+class TokenStream:
+    """Training batches and held-out windows of a corpus's train / val splits for one run.
+
+    Update s reads tokens_per_update + 1 consecutive training tokens from a seeded offset, cut into
+    windows of T: every mechanism and context of one seed sees the same tokens in the same order.
+    Held-out: the first ``val_tokens`` of the validation split, cut the same way.
+    """
+
+    def __init__(self, splits, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int,
+                 device="cpu"):
+        self.splits = splits
+        self.T, self.tpu, self.device = T, tokens_per_update, device
+        rng = np.random.Generator(np.random.PCG64(seed))
+        self.starts = rng.integers(0, len(splits.train) - tokens_per_update - 1, size=steps)
+        self.val = [_windows(splits.val, i, min(tokens_per_update, val_tokens - i), T, device)
+                    for i in range(0, val_tokens, tokens_per_update)]
+
+    def batch(self, step: int):
+        return _windows(self.splits.train, int(self.starts[step]), self.tpu, self.T, self.device)
+
+
+class CodeStream(TokenStream):
     """Training batches and held-out windows of the code corpus for one run (see the module docstring)."""
 
     def __init__(self, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int, device="cpu",
@@ -169,16 +190,9 @@ class CodeStream:
         from .code_corpus import load
 
         self.corpus = load() if corpus is None else corpus
-        self.T, self.tpu, self.device = T, tokens_per_update, device
-        rng = np.random.Generator(np.random.PCG64(seed))
-        self.starts = rng.integers(0, len(self.corpus.train) - tokens_per_update - 1, size=steps)
         if val_tokens + 1 > len(self.corpus.val):
             raise ValueError(f"val_tokens ({val_tokens}) exceeds the held-out split ({len(self.corpus.val)} tokens)")
-        self.val = [_windows(self.corpus.val, i, min(tokens_per_update, val_tokens - i), T, device)
-                    for i in range(0, val_tokens, tokens_per_update)]
-
-    def batch(self, step: int):
-        return _windows(self.corpus.train, int(self.starts[step]), self.tpu, self.T, self.device)
+        super().__init__(self.corpus, T, tokens_per_update, steps, seed, val_tokens, device)
 
     def evaluate(self, model: GPT) -> dict:
         """Held-out loss in total and by position bucket (nats per byte)."""
@@ -240,25 +254,12 @@ def _windows(tokens: np.ndarray, start: int, n_tokens: int, T: int, device="cpu"
     return w[:, :-1], w[:, 1:]
 
 
-class TextStream:
-    """Training batches and held-out windows of the corpus for one run.
-
-    Update s reads tokens_per_update + 1 consecutive training tokens from a seeded offset, cut into
-    windows of T: every mechanism and context of one seed sees the same tokens in the same order.
-    Held-out: the first ``val_tokens`` of the validation split, cut the same way.
-    """
+class TextStream(TokenStream):
+    """A ``TokenStream`` of a text source's bytes (the studies' version-1 corpus, distill's teachers)."""
 
     def __init__(self, source: str, T: int, tokens_per_update: int, steps: int, seed: int, val_tokens: int,
                  device="cpu"):
-        self.data = token_data(source)
-        self.T, self.tpu, self.device = T, tokens_per_update, device
-        rng = np.random.Generator(np.random.PCG64(seed))
-        self.starts = rng.integers(0, len(self.data.train) - tokens_per_update - 1, size=steps)
-        self.val = [_windows(self.data.val, i, min(tokens_per_update, val_tokens - i), T, device)
-                    for i in range(0, val_tokens, tokens_per_update)]
-
-    def batch(self, step: int):
-        return _windows(self.data.train, int(self.starts[step]), self.tpu, self.T, self.device)
+        super().__init__(token_data(source), T, tokens_per_update, steps, seed, val_tokens, device)
 
     def val_loss(self, model: GPT) -> float:
         with torch.no_grad():
@@ -272,7 +273,7 @@ def train_lm(spec: dict, env: study.RunEnv):
     stream = TextStream(spec["source"], T, spec["tokens_per_update"], spec["steps"], spec["seed"],
                         spec["val_tokens"], env.device)
     config = gpt_config(spec["attention"], n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
-                        block_size=T, vocab_size=stream.data.vocab_size)
+                        block_size=T, vocab_size=stream.splits.vocab_size)
     torch.manual_seed(spec["seed"])
     model = GPT(config).to(env.device)
     out = study.train(model, lr=spec["lr"], steps=spec["steps"],
