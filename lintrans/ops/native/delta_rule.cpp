@@ -8,7 +8,8 @@
 //   A = strict_lower(beta_i (k_i . k_j) E_ij),  Ti = (I + A)^-1
 //   U = Ti (beta (v - Gam k S))   (= U~ - W S of the WY form, without forming W or U~)
 //   o = (lower(q k^T) * E) U + (Gam q) S;  S <- gam S + (kap k)^T U
-// Forward saves the state entering every chunk and U; backward walks the chunks in reverse,
+// Forward saves the state entering every chunk and U (a head's rows contiguous, read in place by
+// backward, which also reads do in place); backward walks the chunks in reverse,
 // recomputing each chunk's Ti, and carries dS, the gradient reaching the state after the chunk. With
 // dRu = Ti^T dU its products shrink: W's gradient path is -(beta Gam k)^T dRu into dS, -dRu S^T into k,
 // and dA = -strict_lower(dRu U^T).
@@ -27,7 +28,7 @@
 // Field for field the ctypes.Structure DeltaArgs in lintrans/ops/native/delta_rule.py.
 struct DeltaArgs {
   const void *q, *k, *v, *beta, *ld, *S0;  // q, k [B, T, H, Dk]; v [B, T, H, Dv]; beta, ld [B|1, T, H]; S0 [B, H, Dk, Dv]
-  void *o, *u, *states, *S_end;            // o, u (U's rows) [B, T, H, Dv]; states [B, H, nck, Dk, Dv]; S_end
+  void *o, *u, *states, *S_end;            // o [B, T, H, Dv]; u (U's rows) [B, H, T, Dv]; states [B, H, nck, Dk, Dv]
   const void *dout, *dS_end;               // backward: do [B, T, H, Dv] (strides sdo), dS_end [B, H, Dk, Dv]
   void *dq, *dk, *dv, *dbeta, *dld, *dS0;  // dq, dk [B, T, H, Dk], dv [B, T, H, Dv], dbeta, dld [B, T, H]
   int64_t B, T, H, Dk, Dv;
@@ -64,22 +65,21 @@ void unit_lower_inverse(int64_t cl, int64_t c, const T* A, T* Ti) {
 template <typename T>
 struct Work {
   int64_t c, Dk, Dv;
-  std::vector<T> q, k, v, beta, Gam, kap, E, A, Ti, Kk, P, R, U, kh, qG, KS;
+  std::vector<T> q, k, v, beta, Gam, kap, E, A, Ti, Kk, P, R, kh, qG, KS;
   std::vector<T> rq, rk;  // each row's 1 / sqrt(x.x + 1e-6) with l2 (backward maps gradients through it)
   std::vector<double> b;
   // backward
-  std::vector<T> dO, dU, dRu, dRw, dP, dq, dk, dv, dbeta, dSn, dqi, dkh, bgk, db;
+  std::vector<T> dU, dRu, dRw, dP, dq, dk, dv, dbeta, dqi, dkh, bgk, db;
   Work(int64_t c, int64_t Dk, int64_t Dv, bool backward)
       : c(c), Dk(Dk), Dv(Dv), q(c * Dk), k(c * Dk), v(c * Dv), beta(c), Gam(c), kap(c), E(c * c), A(c * c),
-        Ti(c * c), Kk(c * c), P(c * c), R(c * Dv), U(c * Dv), kh(c * Dk), qG(c * Dk), KS(c * Dv), rq(c), rk(c),
+        Ti(c * c), Kk(c * c), P(c * c), R(c * Dv), kh(c * Dk), qG(c * Dk), KS(c * Dv), rq(c), rk(c),
         b(c) {
     if (!backward) return;
-    for (auto* x : {&dO, &dU, &dRu, &dv}) x->resize(c * Dv);
+    for (auto* x : {&dU, &dRu, &dv}) x->resize(c * Dv);
     for (auto* x : {&dRw, &dq, &dk, &dqi, &dkh, &bgk}) x->resize(c * Dk);
     dP.resize(c * c);
     dbeta.resize(c);
     db.resize(c);
-    dSn.resize(Dk * Dv);
   }
 };
 
@@ -188,9 +188,9 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
   }
 }
 
-// U = Ti (beta (v - Gam k S)): the values the chunk writes, given the state S entering it
+// U [cl, Dv] = Ti (beta (v - Gam k S)): the values the chunk writes, given the state S entering it
 template <typename T>
-void values_written(Work<T>& w, int64_t cl, const T* S, bool gated) {
+void values_written(Work<T>& w, int64_t cl, const T* S, T* U, bool gated) {
   const int64_t Dk = w.Dk, Dv = w.Dv;
   gemm<T>(false, false, cl, Dv, Dk, w.k.data(), Dk, S, Dv, 0, w.KS.data(), Dv);
   for (int64_t i = 0; i < cl; ++i) {
@@ -200,19 +200,19 @@ void values_written(Work<T>& w, int64_t cl, const T* S, bool gated) {
 #pragma omp simd
     for (int64_t j = 0; j < Dv; ++j) Ri[j] = bv * vi[j] + bg * ks[j];
   }
-  tril_times<T>(cl, Dv, w.Ti.data(), w.c, w.R.data(), Dv, 0, w.U.data(), Dv);
+  tril_times<T>(cl, Dv, w.Ti.data(), w.c, w.R.data(), Dv, 0, U, Dv);
 }
 
 // S <- gam S + kh^T U
 template <typename T>
-void advance(Work<T>& w, int64_t cl, T* S, bool gated) {
+void advance(Work<T>& w, int64_t cl, const T* U, T* S, bool gated) {
   const int64_t Dk = w.Dk, Dv = w.Dv;
   if (gated) {
     const T gam = T(std::exp(w.b[cl - 1]));
 #pragma omp simd
     for (int64_t j = 0; j < Dk * Dv; ++j) S[j] *= gam;
   }
-  gemm<T>(true, false, Dk, Dv, cl, w.kh.data(), Dk, w.U.data(), Dv, 1, S, Dv);
+  gemm<T>(true, false, Dk, Dv, cl, w.kh.data(), Dk, U, Dv, 1, S, Dv);
 }
 
 template <typename T>
@@ -225,7 +225,8 @@ int forward(const DeltaArgs& a) {
     SequentialBlas one_thread;
     const HeadRange r(a.B * a.H);
     Work<T> w(c, Dk, Dv, false);
-    std::vector<T> S(KV), o(c * Dv);
+    std::vector<T> S(KV);
+    const int64_t ldo = a.H * Dv;  // o's rows of one head, written in place
     for (int64_t bh = r.lo; bh < r.hi; ++bh) {
       const int64_t bi = bh / a.H, h = bh % a.H;
       std::memcpy(S.data(), static_cast<const T*>(a.S0) + bh * KV, KV * sizeof(T));
@@ -233,16 +234,13 @@ int forward(const DeltaArgs& a) {
         const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
         std::memcpy(static_cast<T*>(a.states) + (bh * nck + m) * KV, S.data(), KV * sizeof(T));
         prepare_chunk(a, w, bi, h, t0, cl, gated);
-        values_written(w, cl, S.data(), gated);
+        T* U = static_cast<T*>(a.u) + (bh * a.T + t0) * Dv;  // kept for backward, a head's rows contiguous
+        values_written(w, cl, S.data(), U, gated);
         // o = P U + qG S
-        tril_times<T>(cl, Dv, w.P.data(), c, w.U.data(), Dv, 0, o.data(), Dv);
-        gemm<T>(false, false, cl, Dv, Dk, w.qG.data(), Dk, S.data(), Dv, 1, o.data(), Dv);
-        const int64_t first = (bi * a.T + t0) * a.H + h;
-        for (int64_t i = 0; i < cl; ++i) {
-          std::memcpy(static_cast<T*>(a.o) + (first + i * a.H) * Dv, &o[i * Dv], Dv * sizeof(T));
-          std::memcpy(static_cast<T*>(a.u) + (first + i * a.H) * Dv, &w.U[i * Dv], Dv * sizeof(T));
-        }
-        advance(w, cl, S.data(), gated);
+        T* o = static_cast<T*>(a.o) + ((bi * a.T + t0) * a.H + h) * Dv;
+        tril_times<T>(cl, Dv, w.P.data(), c, U, Dv, 0, o, ldo);
+        gemm<T>(false, false, cl, Dv, Dk, w.qG.data(), Dk, S.data(), Dv, 1, o, ldo);
+        advance(w, cl, U, S.data(), gated);
       }
       std::memcpy(static_cast<T*>(a.S_end) + bh * KV, S.data(), KV * sizeof(T));
     }
@@ -269,26 +267,34 @@ int backward(const DeltaArgs& a) {
         const T* S = static_cast<const T*>(a.states) + (bh * nck + m) * KV;
         prepare_chunk(a, w, bi, h, t0, cl, gated);
         const int64_t first = (bi * a.T + t0) * a.H + h;
-        for (int64_t i = 0; i < cl; ++i) {
-          std::memcpy(&w.U[i * Dv], static_cast<const T*>(a.u) + (first + i * a.H) * Dv, Dv * sizeof(T));
-          std::memcpy(&w.dO[i * Dv], row<T>(a.dout, a.sdo, bi, t0 + i, h), Dv * sizeof(T));
-        }
+        // forward's U and the incoming do, read in place (BLAS packs them): U's rows are contiguous, do's
+        // rows of one head lie sdo[1] apart
+        const T* U = static_cast<const T*>(a.u) + (bh * a.T + t0) * Dv;
+        const T* dO = row<T>(a.dout, a.sdo, bi, t0, h);
+        const int64_t ldo = a.sdo[1];
         const T gam = gated ? T(std::exp(w.b[cl - 1])) : T(1);
         // dU = P^T dO + kh dS;  dRu = Ti^T dU
-        tril_t_times<T>(cl, Dv, w.P.data(), c, w.dO.data(), Dv, 0, w.dU.data(), Dv);
+        tril_t_times<T>(cl, Dv, w.P.data(), c, dO, ldo, 0, w.dU.data(), Dv);
         gemm<T>(false, false, cl, Dv, Dk, w.kh.data(), Dk, dS.data(), Dv, 1, w.dU.data(), Dv);
         tril_t_times<T>(cl, Dv, w.Ti.data(), c, w.dU.data(), Dv, 0, w.dRu.data(), Dv);
+        // what needs dS after the chunk, before it is updated in place: dkh = U dS^T (the state's
+        // update) and S . dS (gam's share of b)
+        gemm<T>(false, true, cl, Dk, Dv, U, Dv, dS.data(), Dv, 0, w.dkh.data(), Dk);
+        T sd = 0;
+        if (gated) {
+#pragma omp simd reduction(+ : sd)
+          for (int64_t j = 0; j < KV; ++j) sd += S[j] * dS[j];
+        }
         // dS before the chunk = gam dS + qG^T dO - (beta Gam k)^T dRu
         for (int64_t i = 0; i < cl; ++i) {
           const T bg = w.beta[i] * (gated ? w.Gam[i] : T(1));
 #pragma omp simd
           for (int64_t j = 0; j < Dk; ++j) w.bgk[i * Dk + j] = bg * w.k[i * Dk + j];
         }
-        std::memcpy(w.dSn.data(), dS.data(), KV * sizeof(T));
-        gemm<T>(true, false, Dk, Dv, cl, w.qG.data(), Dk, w.dO.data(), Dv, gam, w.dSn.data(), Dv);
-        gemm<T>(true, false, Dk, Dv, cl, T(-1), w.bgk.data(), Dk, w.dRu.data(), Dv, 1, w.dSn.data(), Dv);
+        gemm<T>(true, false, Dk, Dv, cl, w.qG.data(), Dk, dO, ldo, gam, dS.data(), Dv);
+        gemm<T>(true, false, Dk, Dv, cl, T(-1), w.bgk.data(), Dk, w.dRu.data(), Dv, 1, dS.data(), Dv);
         // dP = lower(dO U^T), and b's share through P; then dQK = dP E
-        tril_of_product<T>(cl, Dv, w.dO.data(), Dv, w.U.data(), Dv, w.dP.data(), c);
+        tril_of_product<T>(cl, Dv, dO, ldo, U, Dv, w.dP.data(), c);
         std::fill(w.db.begin(), w.db.begin() + cl, T(0));
         for (int64_t i = 0; i < cl; ++i) {
           T* dPi = &w.dP[i * c];
@@ -306,7 +312,7 @@ int backward(const DeltaArgs& a) {
           }
         }
         // dqi = dO S^T (the gradient of qG), dRw = -dRu S^T (of beta Gam k through W)
-        gemm<T>(false, true, cl, Dk, Dv, w.dO.data(), Dv, S, Dv, 0, w.dqi.data(), Dk);
+        gemm<T>(false, true, cl, Dk, Dv, dO, ldo, S, Dv, 0, w.dqi.data(), Dk);
         gemm<T>(false, true, cl, Dk, Dv, T(-1), w.dRu.data(), Dv, S, Dv, 0, w.dRw.data(), Dk);
         tril_times<T>(cl, Dk, w.dP.data(), c, w.k.data(), Dk, 0, w.dq.data(), Dk);
         tril_t_times<T>(cl, Dk, w.dP.data(), c, w.q.data(), Dk, 0, w.dk.data(), Dk);
@@ -321,7 +327,7 @@ int backward(const DeltaArgs& a) {
           if (gated) w.db[i] += dot;
         }
         // -dA = strict_lower(dRu U^T), into dP's place
-        tril_of_product<T>(cl, Dv, w.dRu.data(), Dv, w.U.data(), Dv, w.dP.data(), c);
+        tril_of_product<T>(cl, Dv, w.dRu.data(), Dv, U, Dv, w.dP.data(), c);
         for (int64_t i = 0; i < cl; ++i) {
           const T bi_ = w.beta[i];
           const T *dRw = &w.dRw[i * Dk], *dRu = &w.dRu[i * Dv], *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
@@ -365,8 +371,7 @@ int backward(const DeltaArgs& a) {
         for (int64_t i = 0; i < cl; ++i)
           for (int64_t j = 0; j < i; ++j) w.dP[j * c + i] = w.dP[i * c + j];
         gemm<T>(false, false, cl, Dk, cl, w.dP.data(), c, w.k.data(), Dk, 1, w.dk.data(), Dk);
-        // the state's update: dkh = U dS^T; dk += kap dkh; b's share through kap and gam
-        gemm<T>(false, true, cl, Dk, Dv, w.U.data(), Dv, dS.data(), Dv, 0, w.dkh.data(), Dk);
+        // the state's update: dk += kap dkh; b's share through kap and gam
         T ysum = 0;
         for (int64_t i = 0; i < cl; ++i) {
           const T ka = gated ? w.kap[i] : T(1);
@@ -381,12 +386,7 @@ int backward(const DeltaArgs& a) {
             ysum += y;
           }
         }
-        if (gated) {
-          T sd = 0;
-#pragma omp simd reduction(+ : sd)
-          for (int64_t j = 0; j < KV; ++j) sd += S[j] * dS[j];
-          w.db[cl - 1] += ysum + gam * sd;
-        }
+        if (gated) w.db[cl - 1] += ysum + gam * sd;
         // scatter; d log_decay_t = sum of db_i over the chunk's rows i >= t (b is their cumulative sum)
         T acc = 0;
         for (int64_t i = cl - 1; i >= 0; --i) {
@@ -399,7 +399,6 @@ int backward(const DeltaArgs& a) {
           static_cast<T*>(a.dbeta)[o] = w.dbeta[i];
           if (gated) static_cast<T*>(a.dld)[o] = acc += w.db[i];
         }
-        dS.swap(w.dSn);  // the gradient before this chunk is the one after the chunk before it
       }
       std::memcpy(static_cast<T*>(a.dS0) + bh * KV, dS.data(), KV * sizeof(T));
     }

@@ -56,14 +56,14 @@ def _states_shape(q, v, chunk):
 @torch.compiler.disable
 def forward(q, k, v, beta, ld, S0, chunk: int, l2: bool, scale: float):
     """q, k [B, T, H, Dk] (L2-normalised here with ``l2``; q then times ``scale``), v [B, T, H, Dv], beta [B, T, H], ld
-    [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], u (the values written, for backward) [B, T, H, Dv],
-    states [B, H, nck, Dk, Dv], S_end)."""
+    [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], u (the values written, for backward; a head's rows
+    contiguous) [B, H, T, Dv], states [B, H, nck, Dk, Dv], S_end)."""
     q, k, v = map(last_contiguous, (q, k, v))
     a = _args(q, k, v, beta, ld, chunk, l2, scale)
     B, T, H, Dk = q.shape
     S0 = S0.contiguous()
     require(S0.shape == (B, H, Dk, v.shape[-1]) and S0.dtype == q.dtype, f"S0 must be [B, H, Dk, Dv], got {tuple(S0.shape)}")
-    o, u = empty((B, T, H, v.shape[-1]), q), empty((B, T, H, v.shape[-1]), q)
+    o, u = empty((B, T, H, v.shape[-1]), q), empty((B, H, T, v.shape[-1]), q)
     states = empty(_states_shape(q, v, chunk), q)
     S_end = torch.empty_like(S0)
     a.S0, a.o, a.u, a.states, a.S_end = ptr(S0), ptr(o), ptr(u), ptr(states), ptr(S_end)
@@ -80,7 +80,7 @@ def backward(q, k, v, beta, ld, u, states, do, dS_end, chunk: int, l2: bool, sca
     Dv = v.shape[-1]
     require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
     require(states.shape == _states_shape(q, v, chunk) and states.is_contiguous(), "states must be forward's")
-    require(u.shape == (B, T, H, Dv) and u.is_contiguous() and u.dtype == q.dtype, "u must be forward's")
+    require(u.shape == (B, H, T, Dv) and u.is_contiguous() and u.dtype == q.dtype, "u must be forward's")
     dS_end = dS_end.to(q.dtype).contiguous()
     require(dS_end.shape == (B, H, Dk, Dv), "dS_end must be [B, H, Dk, Dv]")
     dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
