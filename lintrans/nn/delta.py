@@ -8,6 +8,7 @@ in flash-linear-attention's layout:
     log a   = -exp(A_log) * softplus(x W_a + dt_bias)     per head, gated-deltanet only (Mamba-2's decay)
     o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op
     y       = (RMSNorm(o) * SiLU(x W_g)) W_o              RMSNorm per head, weight shared by the heads
+                                                          (output_gate=False: RMSNorm(o) W_o)
 
 ``A_log`` and ``dt_bias`` start as in Mamba-2 and flash-linear-attention (A ~ U(0, 16), softplus(dt_bias)
 log-uniform in [1e-3, 0.1]). With ``n_kv_head < n_head`` the key and value heads are shared by groups
@@ -43,6 +44,9 @@ class DeltaNetOptions:
     allow_neg_eigval: bool = field(default=False, metadata={
         "help": "beta = 2 sigmoid(x W_beta) in [0, 2]: negative eigenvalues of the state transition"})
     norm_eps: float = field(default=1e-5, metadata={"low": 0, "help": "epsilon of the output RMSNorm"})
+    output_gate: bool = field(default=True, metadata={
+        "help": "multiply the normalised output by SiLU(x W_g) (Gated DeltaNet's design; flash-linear-attention's "
+                "DeltaNet leaves it out by default)"})
 
 
 def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
@@ -85,7 +89,7 @@ class DeltaNet(QKVAttention):
         # depthwise, no bias (fla's ShortConvolution); PyTorch's default init, which GPT's init leaves alone
         self.conv = nn.Conv1d(width, width, self.conv_size, groups=width, bias=False) if self.conv_size else None
         self.beta_proj = nn.Linear(C, H, bias=config.bias)
-        self.g_proj = nn.Linear(C, H * D, bias=config.bias)  # the output gate
+        self.g_proj = nn.Linear(C, H * D, bias=config.bias) if opts["output_gate"] else None
         self.o_norm = nn.Parameter(torch.ones(D))
         self.beta_max = 2.0 if opts["allow_neg_eigval"] else 1.0
         self.norm_eps = opts["norm_eps"]
@@ -118,7 +122,8 @@ class DeltaNet(QKVAttention):
             o, S = delta_rule(q, k, v, beta, log_decay=ld, form=self.form, chunk_size=self.chunk_size,
                               initial_state=S, output_final_state=use_cache)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
-        o = o * F.silu(self.g_proj(x)).view(B, T, self.n_head, self.head_dim)
+        if self.g_proj is not None:
+            o = o * F.silu(self.g_proj(x)).view(B, T, self.n_head, self.head_dim)
         return self.out(o), ((conv_prev, S) if use_cache else None)
 
     def qkv_split(self, u: torch.Tensor):
@@ -133,7 +138,8 @@ class DeltaNet(QKVAttention):
     def qkv_width(cls, shape) -> int:
         """Every input projection: q, k, v, the output gate (n_head * head_dim), beta and (gated) a."""
         N, h = shape.n_head, shape.head_dim
-        return (N + 2 * shape.kv_heads) * h + N * h + N * (2 if cls.GATED else 1)
+        gate = N * h if cls.option(shape, "output_gate") else 0
+        return (N + 2 * shape.kv_heads) * h + gate + N * (2 if cls.GATED else 1)
 
     @classmethod
     def extra_parameters(cls, shape) -> int:

@@ -61,7 +61,8 @@ def reference(layer, x):
         outs.append(D ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outs, 1)  # [B,T,H,D]
     o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + opts["norm_eps"]) * layer.o_norm
-    o = o * F.silu(linear(x, layer.g_proj)).reshape(B, T, H, D)
+    if opts["output_gate"]:
+        o = o * F.silu(linear(x, layer.g_proj)).reshape(B, T, H, D)
     return linear(o.reshape(B, T, C), layer.c_proj)
 
 
@@ -69,7 +70,7 @@ def reference(layer, x):
 @pytest.mark.parametrize("T", [1, 5, 13])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 @pytest.mark.parametrize("opts", [{"chunk_size": 4}, {"form": "recurrent", "conv_size": 2, "allow_neg_eigval": True},
-                                  {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3}])
+                                  {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3, "output_gate": False}])
 def test_layer_equals_token_loop_outputs_and_grads(attention, T, n_kv_head, opts):
     layer = perturbed_layer(attention, opts, n_kv_head=n_kv_head)
     x = torch.randn(2, T, 24, dtype=torch.float64, requires_grad=True)
@@ -189,6 +190,9 @@ def test_cost_terms(attention, n_kv_head, bias):
     model = GPT(cfg)
     shape = ModelShape.from_config(cfg)
     assert parameters(shape)["total"] == sum(p.numel() for p in model.parameters())
+    ungated = config(attention, {"output_gate": False}, n_layer=2, n_embd=32, n_kv_head=n_kv_head, bias=bias,
+                     vocab_size=50)
+    assert parameters(ModelShape.from_config(ungated))["total"] == sum(p.numel() for p in GPT(ungated).parameters())
     # the cache the model keeps (float32) is what the cost model says, at any length
     assert state_floats(model, 40) * 4 * 2 == cache_bytes(shape, 40) == cache_bytes(shape, 4000)
     N, h = 4, 8

@@ -1,0 +1,70 @@
+"""One ablation run of the deltanet layer in the recall study's setting (MQAR, T = 64, 16 pairs, vocabulary
+8192, 2 layers), patched in-process: python abl.py VARIANT [--steps N] [--width W --heads H] [--lr LR] [--seed S]
+[--batch B]. Prints one JSON line (the run's evals). Variants:
+
+  base          the layer as shipped
+  no-gate       output_gate=false (flash-linear-attention's DeltaNet default): y = RMSNorm(o) W_o
+  additive      the same layer with the delta rule's erasure removed: S_t = S_{t-1} + beta_t k_t v_t^T
+                (linear attention on the same L2-normalised q, k): isolates the erasure
+  beta-0.1      the delta rule with beta fixed at 0.1 (each write erases 10% of what its key held)
+  beta-1        the delta rule with beta fixed at 1 (each write replaces what its key held)
+"""
+import argparse
+import json
+
+import torch
+
+from lintrans.experiments import recall, study
+from lintrans.nn import delta as D
+from lintrans.ops.delta import l2_normalized
+
+p = argparse.ArgumentParser()
+p.add_argument("variant")
+p.add_argument("--steps", type=int, default=2000)
+p.add_argument("--width", type=int, default=64)
+p.add_argument("--heads", type=int, default=4)
+p.add_argument("--lr", type=float, default=2e-3)
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--batch", type=int, default=16)
+p.add_argument("--mechanism", default="deltanet")
+a = p.parse_args()
+torch.set_num_threads(1)
+
+real_rule = D.delta_rule
+
+
+def additive(q, k, v, beta, *, log_decay=None, form=None, chunk_size=None, initial_state=None,
+             output_final_state=False, **_):
+    q, k = l2_normalized(q) * q.shape[-1] ** -0.5, l2_normalized(k)
+    T = q.shape[1]
+    scores = torch.einsum("bthd,bshd->bhts", q, k)  # [B,H,T,T]
+    if log_decay is not None:
+        c = log_decay.cumsum(1).transpose(1, 2)  # [B,H,T]
+        scores = scores * torch.exp((c[..., :, None] - c[..., None, :]).clamp(max=0))
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0)
+    return torch.einsum("bhts,bshd->bthd", scores, beta[..., None] * v), None
+
+
+def fixed_beta(value):
+    def rule(q, k, v, beta, **kw):
+        return real_rule(q, k, v, torch.full_like(beta, value), **kw)
+    return rule
+
+
+mechanism = a.mechanism
+if a.variant == "additive":
+    D.delta_rule = additive
+elif a.variant.startswith("beta-"):
+    D.delta_rule = fixed_beta(float(a.variant[5:]))
+elif a.variant == "no-gate":
+    mechanism += ":output_gate=false"
+elif a.variant != "base":
+    raise SystemExit(f"unknown variant {a.variant}")
+
+s = dict(recall.DEFAULT, steps=a.steps, batch_size=a.batch, eval_every=max(a.steps // 8, 1))
+spec = recall.run_spec(s, mechanism, [a.width, a.heads], a.lr, a.seed)
+r = recall.run(spec, study.RunEnv(None, lambda n: None))
+print(json.dumps({"variant": a.variant, **{k: v for k, v in vars(a).items() if k != "variant"},
+                  "accuracy": r["accuracy"], "final_loss": r["final_loss"], "state_floats": r["state_floats"],
+                  "seconds": round(r["train_seconds"]),
+                  "evals": [[e["step"], round(e["loss"], 3), round(e["accuracy"], 4)] for e in r["evals"]]}), flush=True)
