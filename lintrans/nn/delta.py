@@ -41,6 +41,10 @@ class DeltaNetOptions:
         "low": 1, "help": "chunk of the chunked form (default: the op's, the fastest measured for its path)"})
     conv_size: int = field(default=4, metadata={
         "low": 0, "help": "kernel of the causal depthwise convolution on q, k, v (0: none, SiLU only)"})
+    conv_init: str = field(default="uniform", metadata={
+        "choices": ("uniform", "identity"),
+        "help": "the short convolution's initial taps: uniform (PyTorch's default, as flash-linear-attention) or "
+                "identity (the current input's tap 1, earlier taps 0: q, k, v start as their own token's)"})
     allow_neg_eigval: bool = field(default=False, metadata={
         "help": "beta = 2 sigmoid(x W_beta) in [0, 2]: negative eigenvalues of the state transition"})
     norm_eps: float = field(default=1e-5, metadata={"low": 0, "help": "epsilon of the output RMSNorm"})
@@ -88,6 +92,9 @@ class DeltaNet(QKVAttention):
         self.conv_size = opts["conv_size"]
         # depthwise, no bias (fla's ShortConvolution); PyTorch's default init, which GPT's init leaves alone
         self.conv = nn.Conv1d(width, width, self.conv_size, groups=width, bias=False) if self.conv_size else None
+        if self.conv is not None and opts["conv_init"] == "identity":
+            with torch.no_grad():
+                self.conv.weight.zero_()[..., -1] = 1.0  # tap K-1 multiplies the current input
         self.beta_proj = nn.Linear(C, H, bias=config.bias)
         self.g_proj = nn.Linear(C, H * D, bias=config.bias) if opts["output_gate"] else None
         self.o_norm = nn.Parameter(torch.ones(D))

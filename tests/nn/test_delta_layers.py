@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from lintrans.models import GPT, GPTConfig
 from lintrans.nn import get_attention
+from lintrans.nn.delta import causal_conv
 
 MECHS = ["deltanet", "gated-deltanet"]
 
@@ -166,11 +167,24 @@ def test_mamba2_decay_init_and_range():
     assert not hasattr(get_attention("deltanet")(config("deltanet")), "A_log")
 
 
+@pytest.mark.parametrize("attention", MECHS)
+def test_identity_conv_init_passes_each_token_through(attention):
+    model = GPT(config(attention, {"conv_init": "identity"}, n_layer=2))  # GPT's init must leave it alone
+    for block in model.transformer.h:
+        conv = block.attn.conv
+        assert (conv.weight[..., -1] == 1).all() and (conv.weight[..., :-1] == 0).all()
+        u = torch.randn(2, 7, conv.weight.shape[0])
+        torch.testing.assert_close(causal_conv(u, conv.weight, None)[0], u, rtol=0, atol=0)
+    default = GPT(config(attention, n_layer=1)).transformer.h[0].attn.conv.weight
+    assert (default[..., :-1] != 0).any()  # PyTorch's uniform init, as flash-linear-attention's
+
+
 @pytest.mark.parametrize("opts, error, match", [
     ({"form": "attention"}, ValueError, r"attention_options\['form'\] must be one of \['recurrent', 'chunked'\]"),
     ({"chunk_size": 0}, ValueError, r"attention_options\['chunk_size'\] must be an int >= 1 or None, got 0"),
     ({"conv_size": -1}, ValueError, r"attention_options\['conv_size'\] must be an int >= 0, got -1"),
     ({"conv_size": 2.5}, TypeError, r"attention_options\['conv_size'\] must be an int"),
+    ({"conv_init": "dirac"}, ValueError, r"attention_options\['conv_init'\] must be one of \['uniform', 'identity'\]"),
     ({"allow_neg_eigval": "yes"}, TypeError, r"attention_options\['allow_neg_eigval'\] must be a bool"),
     ({"feature_map": "elu"}, ValueError, r"unknown attention_options \['feature_map'\] for '(gated-)?deltanet'"),
 ])

@@ -1,6 +1,6 @@
 """One ablation run of the deltanet layer in the recall study's setting (MQAR, T = 64, 16 pairs, vocabulary
 8192, 2 layers), patched in-process: python abl.py VARIANT [--steps N] [--width W --heads H] [--lr LR] [--seed S]
-[--batch B]. Prints one JSON line (the run's evals). Variants:
+[--batch B] [--options K=V,...]. Prints one JSON line (the run's evals). Variants:
 
   base          the layer as shipped
   no-gate       output_gate=false (flash-linear-attention's DeltaNet default): y = RMSNorm(o) W_o
@@ -8,6 +8,10 @@
                 (linear attention on the same L2-normalised q, k): isolates the erasure
   beta-0.1      the delta rule with beta fixed at 0.1 (each write erases 10% of what its key held)
   beta-1        the delta rule with beta fixed at 1 (each write replaces what its key held)
+  beta-init-X   beta = sigmoid(x W_beta + logit(X)): learnable as shipped, but starting near X instead of 0.5
+  conv-dirac    the short convolution starting as the identity (current tap 1, earlier taps 0) instead of
+                PyTorch's default (uniform in +-1/sqrt(kernel)), so q, k, v start as their own token's
+  no-qk-silu    no SiLU on q and k (v keeps it): keys no longer confined near the positive orthant
 """
 import argparse
 import json
@@ -16,7 +20,7 @@ import torch
 
 from lintrans.experiments import recall, study
 from lintrans.nn import delta as D
-from lintrans.ops.delta import l2_normalized
+from lintrans.ops.delta.reference import l2_normalized
 
 p = argparse.ArgumentParser()
 p.add_argument("variant")
@@ -27,6 +31,7 @@ p.add_argument("--lr", type=float, default=2e-3)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--batch", type=int, default=16)
 p.add_argument("--mechanism", default="deltanet")
+p.add_argument("--options", default="", help="layer options appended to the spec, e.g. conv_size=0,output_gate=false")
 a = p.parse_args()
 torch.set_num_threads(1)
 
@@ -54,12 +59,50 @@ def fixed_beta(value):
 mechanism = a.mechanism
 if a.variant == "additive":
     D.delta_rule = additive
+elif a.variant == "conv-dirac":
+    _init0 = D.DeltaNet.__init__
+
+    def init(self, config):
+        _init0(self, config)
+        with torch.no_grad():
+            self.conv.weight.zero_()[..., -1] = 1.0  # GPT's init leaves the convolution alone
+    D.DeltaNet.__init__ = init
+elif a.variant.startswith("beta-init-"):
+    offset = float(torch.logit(torch.tensor(float(a.variant[10:]))))
+    _fwd0 = D.DeltaNet.forward
+
+    def forward(self, x, cache=None, use_cache=False):
+        proj = self.beta_proj
+        proj.forward = lambda inp: torch.nn.Linear.forward(proj, inp) + offset
+        try:
+            return _fwd0(self, x, cache, use_cache)
+        finally:
+            del proj.forward
+    D.DeltaNet.forward = forward
 elif a.variant.startswith("beta-"):
     D.delta_rule = fixed_beta(float(a.variant[5:]))
 elif a.variant == "no-gate":
     mechanism += ":output_gate=false"
+elif a.variant == "no-qk-silu":  # the layer's first SiLU (on q, k, v together) becomes the identity; v gets it back
+    import types
+    raw = {"on": False}
+    D.F = types.SimpleNamespace(**{n: getattr(torch.nn.functional, n) for n in dir(torch.nn.functional)
+                                   if not n.startswith("__")})
+    D.F.silu = lambda x: x if raw.pop("on", False) else torch.nn.functional.silu(x)
+    _fwd, _split = D.DeltaNet.forward, D.DeltaNet.qkv_split
+
+    def forward(self, x, cache=None, use_cache=False):
+        raw["on"] = True
+        return _fwd(self, x, cache, use_cache)
+
+    def qkv_split(self, u):
+        q, k, v = _split(self, u)
+        return q, k, torch.nn.functional.silu(v)
+    D.DeltaNet.forward, D.DeltaNet.qkv_split = forward, qkv_split
 elif a.variant != "base":
     raise SystemExit(f"unknown variant {a.variant}")
+if a.options:
+    mechanism += ("," if ":" in mechanism else ":") + a.options
 
 s = dict(recall.DEFAULT, steps=a.steps, batch_size=a.batch, eval_every=max(a.steps // 8, 1))
 spec = recall.run_spec(s, mechanism, [a.width, a.heads], a.lr, a.seed)
