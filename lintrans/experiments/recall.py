@@ -17,7 +17,7 @@ Shrunk to fit an hour on 2 cores (Zoology trains far longer, on a mixture of len
 learning rates 1e-3, 2e-3, 4e-3. Many small steps, because MQAR is learnt in a jump from chance that
 short runs stop in the middle of; the shift input, because without it a 2-layer model does not learn
 the task at this budget. The rate is swept at each width, since a rate that suits width 64 can leave
-width 128 at chance. Runs: 8 mechanisms x 2 widths x (3 rates + 2 more seeds) = 80.
+width 128 at chance. Runs: 10 mechanisms x 2 widths x (3 rates + 2 more seeds) = 100.
 ``--setting hard`` is Zoology's harder point, 64 pairs in T = 256, with everything else the same
 (its record: docs/results/experiments/recall-hard); a step costs about four times as much.
 """
@@ -39,7 +39,10 @@ VERSION = 2
 
 DEFAULT = {
     "mechanisms": ["softmax", "linear:elu", "linear:based", "linear:rebased", "sliding-window:window=8",
-                   "gated-linear", "deltanet", "gated-deltanet"],
+                   "gated-linear", "deltanet", "gated-deltanet",
+                   # the delta rule with its short convolution starting as the identity: with PyTorch's
+                   # uniform init (the default, as the papers' code) it stays at chance at this budget
+                   "deltanet:conv_init=identity", "gated-deltanet:conv_init=identity"],
     "shapes": [[64, 4], [128, 8]],  # [width, heads]: head size 16
     "lrs": [1e-3, 2e-3, 4e-3],
     "seeds": 3,
