@@ -40,8 +40,9 @@ VERSION = 2
 DEFAULT = {
     "mechanisms": ["softmax", "linear:elu", "linear:based", "linear:rebased", "sliding-window:window=8",
                    "gated-linear", "deltanet", "gated-deltanet",
-                   # the delta rule with its short convolution starting as the identity: with PyTorch's
-                   # uniform init (the default, as the papers' code) it stays at chance at this budget
+                   # the delta rule with its short convolution starting as the identity instead of PyTorch's
+                   # uniform init (the papers' code): the init that decides whether it learns MQAR at all
+                   # (docs/experiments.md, "The delta rule")
                    "deltanet:conv_init=identity", "gated-deltanet:conv_init=identity"],
     "shapes": [[64, 4], [128, 8]],  # [width, heads]: head size 16
     "lrs": [1e-3, 2e-3, 4e-3],

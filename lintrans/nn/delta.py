@@ -90,7 +90,8 @@ class DeltaNet(QKVAttention):
         H, D, C = self.n_head, self.head_dim, config.n_embd
         width = self.c_attn.out_features
         self.conv_size = opts["conv_size"]
-        # depthwise, no bias (fla's ShortConvolution); PyTorch's default init, which GPT's init leaves alone
+        # depthwise, no bias (fla's ShortConvolution); PyTorch's default init unless conv_init="identity"; GPT's
+        # init leaves it alone
         self.conv = nn.Conv1d(width, width, self.conv_size, groups=width, bias=False) if self.conv_size else None
         if self.conv is not None and opts["conv_init"] == "identity":
             with torch.no_grad():

@@ -1,4 +1,5 @@
-// The unit-lower inverse of delta_rule.cpp (a) against fixed-width rows (b), for a 32 x 32 chunk. g++ -O3 -march=native -fopenmp-simd inv.cpp
+// The unit-lower inverse of delta_rule.cpp (a: a copy of unit_lower_inverse as of commit 1d57203, so that it
+// builds without torch) against fixed-width rows (b), for a 32 x 32 chunk. g++ -O3 -march=native -fopenmp-simd inv.cpp
 #include <chrono>
 #include <cstdio>
 #include <vector>
