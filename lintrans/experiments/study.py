@@ -110,7 +110,12 @@ def _execute(fn_name: str, spec: dict, folder: str, units: int, report: Callable
              device: str = "cpu") -> dict:
     store = RunStore(folder)
     env = RunEnv(store, report, device)
-    result = {**_resolve(fn_name)(spec, env), "device": str(env.device)}
+    result = _resolve(fn_name)(spec, env)
+    from lintrans.bench.machine import machine_info
+
+    # runs of one record may be trained in several sessions on different machines: each names its own
+    result = {**result, "device": str(env.device), "machine": machine_info(str(env.device)),
+              "finished": time.strftime("%Y-%m-%d %H:%M"), "load_average": list(os.getloadavg())}
     store.put(spec, result)
     if env.reported < units:  # top up so the bar ends exact whatever the run reported
         report(units - env.reported)

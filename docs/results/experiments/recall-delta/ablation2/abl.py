@@ -12,6 +12,9 @@
   conv-dirac    the short convolution starting as the identity (current tap 1, earlier taps 0) instead of
                 PyTorch's default (uniform in +-1/sqrt(kernel)), so q, k, v start as their own token's
   no-qk-silu    no SiLU on q and k (v keeps it): keys no longer confined near the positive orthant
+  no-decay      gated-deltanet with its decay removed (log a = 0; its decay parameters unused)
+  decay-A1      gated-deltanet with A starting uniform in (0, 1) instead of Mamba-2's (0, 16): the state
+                forgets about 16x more slowly at first (dt keeps Mamba-2's init)
 """
 import argparse
 import json
@@ -99,6 +102,15 @@ elif a.variant == "no-qk-silu":  # the layer's first SiLU (on q, k, v together) 
         q, k, v = _split(self, u)
         return q, k, torch.nn.functional.silu(v)
     D.DeltaNet.forward, D.DeltaNet.qkv_split = forward, qkv_split
+elif a.variant == "no-decay":
+    D.GatedDeltaNet.log_decay = lambda self, x: None
+elif a.variant == "decay-A1":
+    _decay0 = D.mamba2_decay_init
+
+    def decay_init(n_head, **kw):
+        A_log, dt_bias = _decay0(n_head, **kw)
+        return A_log - torch.log(torch.tensor(16.0)), dt_bias  # A / 16: uniform in (0, 1)
+    D.mamba2_decay_init = decay_init
 elif a.variant != "base":
     raise SystemExit(f"unknown variant {a.variant}")
 if a.options:
