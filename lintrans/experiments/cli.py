@@ -41,6 +41,9 @@ class RunOptions:
     plot_only: bool = field(default=False, metadata={
         "help": "redraw the PNGs from an existing NAME.json in --out, training nothing"})
     print_settings: bool = field(default=False, metadata={"help": "print the resolved settings and exit"})
+    estimate: bool = field(default=False, metadata={
+        "help": "time a few training steps of every model and print what the runs not yet in --out/runs would "
+                "cost with --jobs, training nothing (studies with a cost model: context)"})
 
 
 def option_label(name: str) -> str:
@@ -122,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
             mod.validate(settings)
             if opts.print_settings:
                 print(dump(settings), end="")
+                return 0
+            if opts.estimate:
+                if not hasattr(mod, "estimate"):
+                    raise ValueError(f"--estimate is available for the context study only, not {args.study}")
+                mod.estimate(settings, jobs=opts.jobs, device=device, out=out)
                 return 0
             record = mod.run_study(settings, out, jobs=opts.jobs, progress=opts.progress, device=device)
     except (ValueError, TypeError) as e:

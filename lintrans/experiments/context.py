@@ -23,8 +23,8 @@ which softmax clearly beats the trigram (a probe at T = 256: 2.046 nats/byte wit
 1.617 with rotary ones, against the trigram's 1.818), so the record is one of models that use their
 context. More mechanisms join the same record with ``--mechanisms`` (finished runs are reused):
 ``softmax@learned``, ``linear:based@none``, ``deltanet@none``, ``gated-deltanet@none``.
-``python -m lintrans.experiments.context --estimate --jobs 2`` times a few steps of every model and
-prints the cost; ``--quick`` is a machinery check and ``--setting gpu`` has larger models and longer
+``lintrans experiment context --estimate --jobs 2`` times a few steps of every model and prints
+what the runs not yet in the record folder would cost; ``--quick`` is a machinery check and ``--setting gpu`` has larger models and longer
 contexts (record folder context-gpu).
 """
 from __future__ import annotations
@@ -434,14 +434,43 @@ def summarize(s: dict, runs: list, baselines: dict) -> dict:
 # --- cost estimate ------------------------------------------------------------------------------
 
 
-def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report=print) -> dict:
+def plan(s: dict, out, corpus_sha256: str) -> list:
+    """Every run the study trains, as (mechanism, T, finished): finished when its result is in
+    ``out``/runs. A seed's run at a context whose rate depends on a sweep not yet finished counts as
+    not finished (its rate, and so its key, is not known yet)."""
+    store = study.RunStore(out)
+    runs = []
+    for m in s["mechanisms"]:
+        chosen = {}
+        for T in s["sweep_contexts"]:
+            rows = [(lr, store.get(study_spec(s, m, T, lr, 0, corpus_sha256))) for lr in s["lrs"]]
+            runs += [(m, T, r is not None) for _, r in rows]
+            ok = [(lr, _final(r)) for lr, r in rows if r is not None and _final(r) is not None]
+            if ok and all(r is not None for _, r in rows):
+                chosen[T] = min(ok, key=lambda row: row[1])[0]  # the first lowest, as study.lr_sweep picks
+        for T in s["contexts"]:
+            for seed in range(T in s["sweep_contexts"], s["seeds"]):  # a swept context's seed 0 is the sweep's
+                known = len(chosen) == len(s["sweep_contexts"])
+                spec = study_spec(s, m, T, interpolated_lr(chosen, T), seed, corpus_sha256) if known else None
+                runs.append((m, T, known and store.get(spec) is not None))
+    return runs
+
+
+def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report=print, out=None) -> dict:
     """Seconds the study would take: a few timed training steps and one held-out chunk of every
     mechanism at every context (with the torch threads each of ``jobs`` workers gets), times the
-    steps and evaluations of its runs, summed, divided by ``jobs``. On the CPU two figures: from
-    wall-clock time (this machine as loaded now) and from process CPU time divided by the threads
-    (what an otherwise idle machine would take, if the threads scale)."""
+    steps and evaluations of its runs, summed, divided by ``jobs``; with ``out``, only the runs not
+    yet finished there. On the CPU two figures: from wall-clock time (this machine as loaded now)
+    and from process CPU time divided by the threads (what an otherwise idle machine would take, if
+    the threads scale)."""
     import time
 
+    from .code_corpus import load
+
+    todo: dict = {}
+    planned = plan(s, out, load().info["sha256"]) if out is not None else None
+    for m, T, finished in planned or ():
+        todo[(m, T)] = todo.get((m, T), 0) + (not finished)
     threads = max(1, study.cpu_cores() // jobs)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -457,6 +486,10 @@ def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report
         for m in s["mechanisms"]:
             spec, position = split_mechanism(m)
             for T in s["contexts"]:
+                swept = T in s["sweep_contexts"]
+                n_runs = todo[(m, T)] if planned is not None else s["seeds"] - swept + len(s["lrs"]) * swept
+                if n_runs == 0:
+                    continue
                 config = gpt_config(spec, n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
                                     block_size=T, vocab_size=257, pos_embedding=position)
                 model = GPT(config).to(device)
@@ -477,18 +510,19 @@ def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report
                 t_step = {k: min(t[i] for t in times) for i, k in enumerate(("wall", "cpu"))}
                 t_eval = dict(zip(("wall", "cpu"), (v * s["val_tokens"] / s["tokens_per_update"]
                                                     for v in timed(evaluate))))
-                swept = T in s["sweep_contexts"]
-                n_runs = s["seeds"] - swept + len(s["lrs"]) * swept
                 per_run = {k: s["steps"] * t_step[k] + n_evals * t_eval[k] for k in totals}
                 for k in totals:
                     totals[k] += n_runs * per_run[k]
                 rows[f"{m} T={T}"] = {"update_seconds": t_step, "runs": n_runs, "run_seconds": per_run}
                 report(f"{m:>22} T={T:<6} {t_step['cpu']:6.3f} s/update (cpu; wall {t_step['wall']:6.3f}), "
-                       f"{n_runs} runs x {per_run['cpu'] / 60:5.1f} min")
+                       f"{n_runs} run{'s' * (n_runs != 1)} x {per_run['cpu'] / 60:5.1f} min")
     finally:
         torch.set_num_threads(before)
     est = {"seconds": {k: v / jobs for k, v in totals.items()}, "jobs": jobs, "threads_per_job": threads,
            "rows": rows, "load_average": list(os.getloadavg())}
+    if planned is not None:
+        est["runs"] = {"planned": len(planned), "finished": sum(f for _, _, f in planned)}
+        report(f"{est['runs']['finished']} of {est['runs']['planned']} runs already in {out}; the rest:")
     report(f"estimate with --jobs {jobs} ({threads} torch thread(s) each): {est['seconds']['cpu'] / 3600:.2f} h "
            f"from CPU time (an idle machine), {est['seconds']['wall'] / 3600:.2f} h from wall-clock time "
            f"(this machine now, load average {est['load_average'][0]:.1f})")
@@ -623,23 +657,3 @@ def _clip(ax, runs, base, top_name: str = "unigram") -> None:
     tops = finals + list(base["loss"][top_name].values())
     if tops:
         ax.set_ylim(top=max(tops) + 0.3)
-
-
-def main(argv=None) -> int:
-    """``python -m lintrans.experiments.context --estimate [--jobs N] [--setting gpu]``: the cost."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m lintrans.experiments.context", description=main.__doc__)
-    p.add_argument("--estimate", action="store_true", required=True)
-    p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--setting", choices=sorted(PRESETS))
-    p.add_argument("--device", default="cpu")
-    args = p.parse_args(argv)
-    s = {**DEFAULT, **(PRESETS[args.setting] if args.setting else {})}
-    validate(s)
-    estimate(s, jobs=args.jobs, device=args.device)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

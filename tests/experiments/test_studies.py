@@ -136,6 +136,30 @@ def test_parallel_jobs_give_the_same_results(tmp_path, capsys):
     assert a["sweep"][0]["chosen"] == b["sweep"][0]["chosen"]
 
 
+def test_estimate_costs_only_the_runs_not_yet_trained(tmp_path, capsys):
+    args = ["--mechanisms", "softmax", "--seeds", "2", "--set", "contexts=[16,32]", "--set", "sweep_contexts=[16,32]",
+            "--set", "steps=2"]
+
+    def estimate(*extra):
+        capsys.readouterr()
+        assert run_cli("context", tmp_path, "--estimate", *args, *extra) == 0
+        return capsys.readouterr().out
+
+    out = estimate()
+    assert "0 of 8 runs already in" in out  # 3 rates at each of 2 contexts, then seed 1 at both
+    assert "T=16     " in out and "4 runs x" in out and not (tmp_path / "runs").exists()  # nothing trained
+    assert run_cli("context", tmp_path, *args) == 0
+    out = estimate()
+    assert "8 of 8 runs already in" in out and "s/update" not in out and "0.00 h" in out
+    out = estimate("--seeds", "3")  # one more seed: one run at each context
+    assert "8 of 10 runs already in" in out and out.count(" 1 run x") == 2
+
+
+def test_estimate_is_for_the_context_study(tmp_path, capsys):
+    assert run_cli("recall", tmp_path, "--estimate") == 2
+    assert "--estimate is available for the context study only, not recall" in capsys.readouterr().err
+
+
 def test_a_stopped_study_redoes_only_the_missing_runs(tmp_path, capsys):
     args = ["--mechanisms", "softmax", "--set", "contexts=[32]", "--set", "sweep_contexts=[32]",
             "--set", "steps=2"]
