@@ -24,8 +24,8 @@ which softmax clearly beats the trigram (a probe at T = 256: 2.046 nats/byte wit
 context. More mechanisms join the same record with ``--mechanisms`` (finished runs are reused):
 ``softmax@learned``, ``linear:based@none``, ``deltanet@none``, ``gated-deltanet@none``.
 ``lintrans experiment context --estimate --jobs 2`` times a few steps of every model and prints
-what the runs not yet in the record folder would cost; ``--quick`` is a machinery check and ``--setting gpu`` has larger models and longer
-contexts (record folder context-gpu).
+what the runs not yet in the record folder would cost; ``--quick`` is a machinery check and
+``--setting gpu`` has larger models and longer contexts (record folder context-gpu).
 """
 from __future__ import annotations
 
@@ -443,14 +443,15 @@ def plan(s: dict, out, corpus_sha256: str) -> list:
     for m in s["mechanisms"]:
         chosen = {}
         for T in s["sweep_contexts"]:
-            rows = [(lr, store.get(study_spec(s, m, T, lr, 0, corpus_sha256))) for lr in s["lrs"]]
-            runs += [(m, T, r is not None) for _, r in rows]
-            ok = [(lr, _final(r)) for lr, r in rows if r is not None and _final(r) is not None]
-            if ok and all(r is not None for _, r in rows):
-                chosen[T] = min(ok, key=lambda row: row[1])[0]  # the first lowest, as study.lr_sweep picks
+            results = [store.get(study_spec(s, m, T, lr, 0, corpus_sha256)) for lr in s["lrs"]]
+            runs += [(m, T, r is not None) for r in results]
+            if all(r is not None for r in results):
+                lr = study.best_lr([study.sweep_row(lr, _final(r)) for lr, r in zip(s["lrs"], results)])
+                if lr is not None:
+                    chosen[T] = lr
+        known = len(chosen) == len(s["sweep_contexts"])
         for T in s["contexts"]:
             for seed in range(T in s["sweep_contexts"], s["seeds"]):  # a swept context's seed 0 is the sweep's
-                known = len(chosen) == len(s["sweep_contexts"])
                 spec = study_spec(s, m, T, interpolated_lr(chosen, T), seed, corpus_sha256) if known else None
                 runs.append((m, T, known and store.get(spec) is not None))
     return runs

@@ -110,9 +110,9 @@ def _execute(fn_name: str, spec: dict, folder: str, units: int, report: Callable
              device: str = "cpu") -> dict:
     store = RunStore(folder)
     env = RunEnv(store, report, device)
-    result = _resolve(fn_name)(spec, env)
     from lintrans.bench.machine import machine_info
 
+    result = _resolve(fn_name)(spec, env)
     # runs of one record may be trained in several sessions on different machines: each names its own
     result = {**result, "device": str(env.device), "machine": machine_info(str(env.device)),
               "finished": time.strftime("%Y-%m-%d %H:%M"), "load_average": list(os.getloadavg())}
@@ -245,16 +245,22 @@ def lr_sweep(runner: Runner, specs: dict, score: Callable[[dict], Optional[float
     results = iter(runner.run(flat))
     chosen, table = {}, {}
     for mech, group in specs.items():
-        rows = []
-        for spec in group:
-            value = score(next(results))
-            rows.append({"lr": spec["lr"], "score": value if value is not None and math.isfinite(value) else None})
-        table[mech] = rows
-        ok = [r for r in rows if r["score"] is not None]
-        if not ok:
+        rows = table[mech] = [sweep_row(spec["lr"], score(next(results))) for spec in group]
+        chosen[mech] = best_lr(rows)
+        if chosen[mech] is None:
             raise RuntimeError(f"every learning rate of the sweep diverged for {mech!r}: {[r['lr'] for r in rows]}")
-        chosen[mech] = min(ok, key=lambda r: r["score"])["lr"]
     return {"chosen": chosen, "table": table}
+
+
+def sweep_row(lr: float, value: Optional[float]) -> dict:
+    """One rate's line of a sweep's table: its score, None where the run diverged (None or NaN)."""
+    return {"lr": lr, "score": value if value is not None and math.isfinite(value) else None}
+
+
+def best_lr(rows: list) -> Optional[float]:
+    """The rate of the lowest score among ``rows`` (``sweep_row``s), the first on a tie; None if every one diverged."""
+    ok = [r for r in rows if r["score"] is not None]
+    return min(ok, key=lambda r: r["score"])["lr"] if ok else None
 
 
 EACH_POINT = "each"  # sweep_point value: sweep the rate at every point, not at one
