@@ -10,8 +10,7 @@ import torch
 from host_sync import READS_VALUES
 from lintrans.models import GPT, GPTConfig
 from lintrans.nn.registry import available_attention
-from lintrans.ops import linear as linear_module
-from lintrans.ops import linear_attention, linear_attention_reference
+from lintrans.ops import FORMS, linear_attention, linear_attention_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,7 +34,7 @@ def _inputs(B, T, H, Dk, Dv, decay, seed=0):
     return q, k, v, ld
 
 
-@pytest.mark.parametrize("form", sorted(linear_module.FORMS))
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("decay", [None, "gate", "fixed"])
 @pytest.mark.parametrize("feature_map", ["elu", "based"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

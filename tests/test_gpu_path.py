@@ -7,8 +7,8 @@ import torch
 from host_sync import READS_VALUES, CopiesToDevice, HostSyncError, HostSyncs
 from lintrans.models import GPT, GPTConfig
 from lintrans.nn.registry import available_attention
-from lintrans.ops import linear as linear_module
-from lintrans.ops import linear_attention, linear_attention_reference, validation
+from lintrans.ops.linear import chunked as linear_chunked
+from lintrans.ops import FORMS, linear_attention, linear_attention_reference, validation
 from lintrans.ops.aft import aft, aft_reference
 from lintrans.ops.cross_entropy import linear_cross_entropy
 
@@ -24,11 +24,11 @@ MODULE_MAPS = {"hedgehog": {}, "rebased": {}, "performer": {"num_features": 8}}
 @pytest.fixture
 def accelerator_path(monkeypatch):
     """Make the CPU take the code path of a CUDA tensor: no value checks, no value-chosen paths, and
-    the chunked op in one block (as ``_chunks_per_block`` does on an accelerator), and never the fused
+    the chunked op in one block (as ``chunks_per_block`` does on an accelerator), and never the fused
     CPU kernel."""
     monkeypatch.setenv("LINTRANS_NATIVE", "0")
     monkeypatch.setattr(validation, "HOST_READ_DEVICES", frozenset())
-    monkeypatch.setattr(linear_module, "BLOCK_TOKEN_HEADS", 10**9)
+    monkeypatch.setattr(linear_chunked, "BLOCK_TOKEN_HEADS", 10**9)
 
 
 # -- the detector itself ------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def test_on_the_cpu_only_the_log_decay_check_reads_values():
     with HostSyncs() as syncs:
         o, _ = linear_attention(q, k, v, chunk_size=4, log_decay=-torch.rand(1, 9, 2))
         o.sum().backward()
-    assert syncs.calls and all(" _check_log_decay: " in where[-1] for _, where in syncs.calls), syncs.report()
+    assert syncs.calls and all(" check_log_decay: " in where[-1] for _, where in syncs.calls), syncs.report()
     with pytest.raises(ValueError, match="log_decay must be finite and <= 0"):
         linear_attention(q, k, v, log_decay=torch.full((1, 9, 2), 0.5))
 
@@ -237,7 +237,7 @@ def test_gpt_variants_run_on_the_meta_device(variant):
     assert model.lm_head.weight.grad.device.type == "meta"
 
 
-@pytest.mark.parametrize("form", sorted(linear_module.FORMS))
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("decay", [None, "gate"])
 def test_every_linear_form_runs_on_the_meta_device(form, decay):
     B, T, H = 2, 13, 2

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from .feature_maps import resolve_feature_map
-from .linear import _check_log_decay, _check_state, _cumulative, _log_decay_head_first, linear_attention
+from .linear import linear_attention
+from .linear.checks import check_log_decay, check_state, log_decay_head_first
+from .linear.forms import cumulative
 from .validation import autocast_off, check_qkv, compute_dtype
 
 State = Tuple[torch.Tensor, torch.Tensor]
@@ -77,7 +79,7 @@ def _local_state(k, v, phi_k, ld, dtype) -> tuple[torch.Tensor, torch.Tensor, Op
     fk = phi_k(k).to(dtype)  # [B,T,H,F]
     with autocast_off(k.device):  # summed in the state dtype under mixed precision too
         if ld is not None:
-            L = _cumulative(ld)  # [B|1,H,T] float64
+            L = cumulative(ld)  # [B|1,H,T] float64
             keep = (L[..., -1:] - L).exp().to(dtype)  # decay from each key to the slice's end, <= 1
             fk = fk * keep.transpose(1, 2)[..., None]
         S = torch.einsum("bthf,bthe->bhfe", fk, v.to(dtype))
@@ -135,9 +137,9 @@ def context_parallel_linear_attention(
     output_final_state = kwargs.pop("output_final_state", False)
     log_decay = kwargs.pop("log_decay", None)
     if log_decay is not None:
-        _check_log_decay(log_decay, B, T, H, q.device)
+        check_log_decay(log_decay, B, T, H, q.device)
     dtype = compute_dtype(q.dtype)
-    ld = None if log_decay is None else _log_decay_head_first(log_decay, B, T, H, dtype)  # [B|1,H,T]
+    ld = None if log_decay is None else log_decay_head_first(log_decay, B, T, H, dtype)  # [B|1,H,T]
     _, phi_k = resolve_feature_map(feature_map)
     # recomputed in backward instead of kept: its phi(k) and copies of v would be T-sized memory per
     # layer (0.6 GB at 16k tokens for 12L-256), the very thing context parallelism is for
@@ -145,7 +147,7 @@ def context_parallel_linear_attention(
     Fd = S.shape[2]
     S0 = None
     if initial_state is not None:
-        S_init, z_init = _check_state(initial_state, B, H, Fd, Dv, dtype, q.device)
+        S_init, z_init = check_state(initial_state, B, H, Fd, Dv, dtype, q.device)
         S0 = torch.cat([S_init, z_init[..., None]], dim=-1)  # [B,H,F,Dv+1]
     E = Dv + 1  # the normaliser z rides along as the last column of S
     payload = [torch.cat([S, z[..., None]], dim=-1).flatten()] + ([] if A is None else [A.flatten()])

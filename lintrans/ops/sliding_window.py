@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .linear import LOG2E, _without_autocast
+from .linear.chunked import LOG2E, without_autocast
 from .native import sliding_window as native_sw
 from .validation import check_number, check_positive_int, check_qkv, compute_dtype
 
@@ -189,7 +189,7 @@ class _SlidingWindowCausal(torch.autograd.Function):
     """
 
     @staticmethod
-    @_without_autocast
+    @without_autocast
     def forward(ctx, q, k, v, p: _Plan):
         ctx.p = p
         ctx.native = native_sw.supports(q, k, v)
@@ -229,7 +229,7 @@ class _SlidingWindowCausal(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    @_without_autocast
+    @without_autocast
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         p = ctx.p

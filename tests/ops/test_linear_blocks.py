@@ -1,10 +1,10 @@
-"""The chunked form block by block (``_ChunkedAttention``): block boundaries against the float64
+"""The chunked form block by block (``ChunkedAttention``): block boundaries against the float64
 reference, outputs, states and gradients, with and without a decay."""
 import pytest
 import torch
 
 from lintrans.ops import FORMS, linear_attention, linear_attention_reference
-from lintrans.ops import linear as linear_module
+from lintrans.ops.linear import chunked as linear_chunked
 from lintrans.ops.native import chunked as native_chunked
 
 from native_paths import on_path, took
@@ -22,9 +22,9 @@ def chunks_per_block(monkeypatch, B, H, c, nb, keep=False):
     kernel: save a state every ``nb`` chunks); ``keep``: the blocks are kept for backward (short
     calls), else recomputed (long calls)."""
     monkeypatch.setattr(native_chunked, "CHECKPOINT_CHUNKS", nb)
-    monkeypatch.setattr(linear_module, "BLOCK_TOKEN_HEADS", B * H * c * nb)
-    monkeypatch.setattr(linear_module, "KEEP_TOKEN_HEADS", 10**9 if keep else 0)
-    assert linear_module._chunks_per_block(torch.device("cpu"), B * H, c, 100) == nb
+    monkeypatch.setattr(linear_chunked, "BLOCK_TOKEN_HEADS", B * H * c * nb)
+    monkeypatch.setattr(linear_chunked, "KEEP_TOKEN_HEADS", 10**9 if keep else 0)
+    assert linear_chunked.chunks_per_block(torch.device("cpu"), B * H, c, 100) == nb
 
 
 @pytest.mark.parametrize("T,c,nb", [
@@ -108,7 +108,7 @@ def test_blocks_cover_every_token_once():
     for T in (1, 5, 63, 64, 65, 129, 1000):
         for chunk in (1, 4, 64):
             for block in (1, 3, 16):
-                blocks = linear_module._blocks(T, chunk, block)
+                blocks = linear_chunked._blocks(T, chunk, block)
                 starts = [t0 for t0, _, _ in blocks]
                 ends = [t0 + nb * c for t0, nb, c in blocks]
                 assert starts[0] == 0 and ends[-1] == T and starts[1:] == ends[:-1]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lintrans.ops import FORMS, context_parallel_linear_attention, linear_attention, linear_attention_reference
-from lintrans.ops import linear as linear_module
+from lintrans.ops.linear import api as linear_api
 from lintrans.ops.cross_entropy import linear_cross_entropy
 from lintrans.ops.feature_maps import elu_plus_one
 from lintrans.ops.linear import linear_attention_step
@@ -157,7 +157,7 @@ def test_bf16_training_keeps_the_state_in_float32(tiny_config, monkeypatch, atte
     from lintrans.train.loop import train
 
     seen = []
-    original = linear_module._ChunkedAttention
+    original = linear_api.ChunkedAttention
 
     class Recording:
         @staticmethod
@@ -166,7 +166,7 @@ def test_bf16_training_keeps_the_state_in_float32(tiny_config, monkeypatch, atte
             seen.append((v.dtype, S0.dtype, cfg.dtype, S.dtype, None if ld is None else ld.dtype))
             return o, S
 
-    monkeypatch.setattr(linear_module, "_ChunkedAttention", Recording)
+    monkeypatch.setattr(linear_api, "ChunkedAttention", Recording)
     settings = {"model.attention": attention, "train.max_steps": 4, "train.eval_interval": 100}
     bf16 = train(tiny_config("bf16", **settings, **{"train.precision": "bf16"}))
     assert seen and all(s[0] == torch.bfloat16 for s in seen)

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..linear import _check_log_decay, _log_decay_head_first
+from ..linear.checks import check_log_decay, log_decay_head_first
 from ..validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
 from ..native import delta_rule as native_delta
 from . import chunked as _chunked_form
@@ -92,7 +92,7 @@ def delta_rule(
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     _check_beta(beta, (B, T, H), "[B, T, H]", q.device)
     if log_decay is not None:
-        _check_log_decay(log_decay, B, T, H, q.device)
+        check_log_decay(log_decay, B, T, H, q.device)
     if not isinstance(form, str) or form not in DELTA_FORMS:
         raise ValueError(f"form must be one of {list(DELTA_FORMS)}, got {form!r}")
     check_positive_int("chunk_size", chunk_size, allow_none=True)
@@ -113,7 +113,7 @@ def delta_rule(
         qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
         qs, ks, vs = (x.transpose(1, 2) for x in (qs, ks, v.to(dtype)))  # [B,H,T,D]
         bs = beta.to(dtype).transpose(1, 2)
-        ld = None if log_decay is None else _log_decay_head_first(log_decay, B, T, H, dtype)
+        ld = None if log_decay is None else log_decay_head_first(log_decay, B, T, H, dtype)
         if form == "recurrent":
             o, S = token_loop(qs, ks, vs, bs, ld, S0)
         else:
@@ -138,7 +138,7 @@ def delta_rule_step(
     B, _, H, Dk, Dv = check_qkv(q, k, v, layout="[B, H, D]")
     _check_beta(beta, (B, H), "[B, H]", q.device)
     if log_decay is not None:
-        _check_log_decay(log_decay, B, None, H, q.device)
+        check_log_decay(log_decay, B, None, H, q.device)
     _check_options(scale, l2_normalize)
     if state is not None:
         _check_state(state, B, H, Dk, Dv, q.device, "state")

@@ -1,5 +1,5 @@
 // The chunked form of causal linear attention, fused, for the CPU: the same algebra as
-// _ChunkedAttention in lintrans/ops/linear.py (read that first: names and steps match), one
+// ChunkedAttention in lintrans/ops/linear/chunked.py (read that first: names and steps match), one
 // (batch, head) pair per OpenMP task, its chunks walked in order by one thread with every
 // temporary a chunk's worth and the matmuls as direct BLAS calls.
 //

@@ -1,4 +1,4 @@
-"""ctypes bindings of chunked.cpp: the fused CPU chunked form behind ``_ChunkedAttention``."""
+"""ctypes bindings of chunked.cpp: the fused CPU chunked form behind ``ChunkedAttention`` (ops/linear/chunked.py)."""
 from __future__ import annotations
 
 import ctypes
