@@ -632,8 +632,11 @@ def plot(record: dict, out) -> list:
     ax.axhline(base["loss"]["trigram"][str(T)], ls="--", color="gray", lw=1, label="trigram (counts)")
     _clip(ax, runs, base)
     threads = runs[0].get("threads") if runs else None
+    # seeds trained on different CPUs (sessions get different machines) are averaged: name them all
+    cpus = sorted({(r.get("machine") or {}).get("cpu", "?") for m in mechs for r in _select(runs, m, T)})
     study.style(ax, f"training seconds (mean over seeds; {threads} torch thread(s) per run)",
-                "held-out loss (nats/byte)", f"T={T}: held-out loss against wall-clock training time\n{setting}")
+                "held-out loss (nats/byte)",
+                f"T={T}: held-out loss against wall-clock training time\n{setting}\nCPUs: {', '.join(cpus)}")
     paths.append(study.save(fig, out / f"{NAME}_wallclock.png"))
 
     fig, axes = study.panels([f"{m} (seed 0)" for m in mechs])
