@@ -624,19 +624,19 @@ def plot(record: dict, out) -> list:
 
     T = summ["longest_context"]
     fig, ax = plt.subplots(figsize=(7.5, 5))
+    cpus = set()  # seeds trained on different CPUs (sessions get different machines) are averaged: name them all
     for m in mechs:
         rs = _select(runs, m, T)
+        cpus.update((r.get("machine") or {}).get("cpu", "?") for r in rs)
         n = min(len(r["evals"]) for r in rs)
         secs = [sum(r["evals"][i]["seconds"] for r in rs) / len(rs) for i in range(n)]
         study.band(ax, secs, [[e["val_loss"] for e in r["evals"]] for r in rs], label=m, color=colors[m])
     ax.axhline(base["loss"]["trigram"][str(T)], ls="--", color="gray", lw=1, label="trigram (counts)")
     _clip(ax, runs, base)
     threads = runs[0].get("threads") if runs else None
-    # seeds trained on different CPUs (sessions get different machines) are averaged: name them all
-    cpus = sorted({(r.get("machine") or {}).get("cpu", "?") for m in mechs for r in _select(runs, m, T)})
     study.style(ax, f"training seconds (mean over seeds; {threads} torch thread(s) per run)",
                 "held-out loss (nats/byte)",
-                f"T={T}: held-out loss against wall-clock training time\n{setting}\nCPUs: {', '.join(cpus)}")
+                f"T={T}: held-out loss against wall-clock training time\n{setting}\nCPUs: {', '.join(sorted(cpus))}")
     paths.append(study.save(fig, out / f"{NAME}_wallclock.png"))
 
     fig, axes = study.panels([f"{m} (seed 0)" for m in mechs])
