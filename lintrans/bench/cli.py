@@ -18,6 +18,8 @@ import torch
 from .measure import Caps, Point
 
 BENCHMARKS = ("ops", "train", "generate", "loss")
+OP_DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -38,6 +40,8 @@ class Profile:
     caps: Caps
     ops_only: Optional[list[str]] = None
     forward_only: bool = False  # ops: time the forward pass alone
+    dtype: str = "float32"  # ops: the inputs' dtype
+    precision: str = "fp32"  # train: autocast precision
     decoders: tuple[str, ...] = ("softmax", "linear")
     mechanisms: tuple[str, ...] = ()  # other attention names for train, e.g. gated-linear
     notes: dict = field(default_factory=dict)
@@ -92,6 +96,12 @@ class BenchOptions:
     repeats: Optional[int] = field(default=None, metadata={
         "help": "timed repeats per point, all taken whatever the profile's time budget (the fastest is kept)",
         "low": 1})
+    dtype: str = field(default="float32", metadata={
+        "help": "ops: the dtype of q, k, v (16-bit ones: every op accumulates its state in float32; SDPA "
+                "takes its flash kernel on CUDA)", "choices": OP_DTYPES})
+    precision: str = field(default="fp32", metadata={
+        "help": "train: fp32, or the forward under torch.autocast in bf16 or fp16 (as train.precision)",
+        "choices": PRECISIONS})
     device: str = field(default="cpu", metadata={"help": "where to run: cpu, cuda or cuda:N"})
 
 
@@ -147,21 +157,26 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         n = len(op_series(64, device=device)) * len(prof.ops_T)
         bar = Progress(n, "ops")
         points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, gated_chunk=gated_chunk,
-                         device=device, on_point=bar, backward=not prof.forward_only)
+                         device=device, on_point=bar, backward=not prof.forward_only,
+                         dtype=getattr(torch, prof.dtype))
         passes = "forward only" if prof.forward_only else "forward + backward"
-        title = f"causal attention op, {passes} (B=1, H=8, D=64, float32)"
-        from .peers import FLA_GATED_SERIES, FLA_SERIES
+        title = f"causal attention op, {passes} (B=1, H=8, D=64, {prof.dtype})"
+        from .ops import GATED_DELTA_OP
+        from .peers import FLA_DELTA_SERIES, FLA_GATED_SERIES, FLA_SERIES
 
         comparisons = [("linear chunked", "softmax (SDPA)"), (GATED_OP, "linear chunked"), (GATED_OP, "softmax (SDPA)"),
-                       (FLA_SERIES, "linear chunked"), (FLA_GATED_SERIES, GATED_OP)]  # fla: on CUDA, if installed
+                       (FLA_SERIES, "linear chunked"), (FLA_GATED_SERIES, GATED_OP),  # fla: on CUDA, if installed
+                       (FLA_DELTA_SERIES, GATED_DELTA_OP)]
     elif which == "train":
         from .train import run_train
 
         n = len(prof.sizes) * (len(prof.forms) + len(prof.mechanisms) + 2) * len(prof.train_T)
         bar = Progress(n, "train")
         points = run_train(prof.train_T, prof.caps, sizes=prof.sizes, forms=prof.forms, mechanisms=prof.mechanisms,
-                           device=device, on_point=bar)
+                           device=device, on_point=bar, precision=prof.precision)
         title = "GPT training step (forward + backward + AdamW), batch 1, vocab 50257"
+        if prof.precision != "fp32":
+            title += f", {prof.precision} autocast"
         comparisons = [(f"{s} linear chunked", f"{s} softmax (SDPA)") for s in prof.sizes]
         comparisons += [(f"{s} {m}", f"{s} softmax (SDPA)") for s in prof.sizes for m in prof.mechanisms]
     elif which == "loss":
@@ -287,6 +302,8 @@ def build_profile(args: BenchOptions) -> Profile:
     prof.caps.memory_bytes = int(mem) or None
     prof.ops_only = args.ops
     prof.forward_only = args.forward_only
+    prof.dtype = args.dtype
+    prof.precision = args.precision
     from .sizes import resolve_size
     from .train import LINEAR_FORMS
 

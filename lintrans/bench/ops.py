@@ -162,12 +162,13 @@ def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Cal
 
 
 def run_ops(Ts: list[int], caps: Caps, *, only: Optional[list[str]] = None, chunk_size=64, gated_chunk=None,
-            H: int = 8, D: int = 64, device: str = "cpu", on_point=None, backward: bool = True) -> list[Point]:
+            H: int = 8, D: int = 64, device: str = "cpu", on_point=None, backward: bool = True,
+            dtype=torch.float32) -> list[Point]:
     series = op_series(chunk_size, gated_chunk=gated_chunk, device=device)
     if only:
         series = select_series(series, only)
     def make(T, name, fn):
-        step = make_op_step(fn, T, H=H, D=D, device=device, backward=backward)
+        step = make_op_step(fn, T, H=H, D=D, device=device, backward=backward, dtype=dtype)
         chunk = gated_chunk if name == GATED_OP and gated_chunk is not None else chunk_size
         if name in ("linear chunked", "linear attention_blocked", GATED_OP):  # what the FLOP count depends on
             return step, {"chunk_size": chunk(T) if callable(chunk) else chunk}

@@ -5,7 +5,9 @@ Optional peers (docs/benchmarks.md says how to install each):
 * fast-transformers' CPU causal-product kernel (Katharopoulos et al.), wrapped to compute exactly
   ``linear_attention`` with the same feature map.
 * flash-linear-attention's Triton kernel ``chunk_simple_gla``, through ``linear_attention(...,
-  backend="fla")`` (on CUDA only), ungated and with the gate of ``linear chunked gated``.
+  backend="fla")`` (on CUDA only), ungated and with the gate of ``linear chunked gated``; and its
+  ``chunk_gated_delta_rule`` with the gates of ``gated-delta``.
+* Hugging Face transformers' pure-PyTorch Gated DeltaNet (Qwen3-Next's fallback).
 * the reference implementation of Manifest's ``retention`` (``retention.reference``): symmetric power
   retention of degree 2 without gating, which is causal linear attention with the squared feature
   map ``(q . k / sqrt(d))^2``. Ours computes it with ``squared_features`` and the chunked form, and
@@ -27,6 +29,7 @@ COMPANION_OF = {POWER2_SERIES: RETENTION_SERIES}
 
 FLA_SERIES = "fla chunk_simple_gla (backend='fla')"
 FLA_GATED_SERIES = "fla chunk_simple_gla gated (backend='fla')"
+FLA_DELTA_SERIES = "fla chunk_gated_delta_rule"
 
 
 def peer_ops(feature_map: str = "elu", device: str = "cpu") -> dict[str, Callable]:
@@ -41,6 +44,7 @@ def peer_ops(feature_map: str = "elu", device: str = "cpu") -> dict[str, Callabl
     out.update(_transformers_delta())
     if str(device).startswith("cuda"):
         out.update(_fla(feature_map))
+        out.update(_fla_delta())
     return out
 
 
@@ -76,6 +80,21 @@ def _fla(feature_map: str) -> dict[str, Callable]:
 
     return {FLA_SERIES: lambda q, k, v: linear_attention(q, k, v, feature_map=feature_map, backend="fla")[0],
             FLA_GATED_SERIES: _gated(64, feature_map, backend="fla")}  # fla picks its own chunk
+
+
+def _fla_delta() -> dict[str, Callable]:
+    """flash-linear-attention's Triton Gated DeltaNet, with the gates of our ``gated-delta`` series."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or its import (Triton) fails here
+        return {}
+    from .ops import delta_gates
+
+    def fn(q, k, v):
+        beta, log_decay = delta_gates(q)
+        return chunk_gated_delta_rule(q, k, v, log_decay, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    return {FLA_DELTA_SERIES: fn}
 
 
 def _fast_transformers(feature_map: str) -> dict[str, Callable]:

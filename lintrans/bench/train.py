@@ -28,27 +28,45 @@ def train_series(forms=LINEAR_FORMS, floor: bool = True, mechanisms=()) -> list[
     return series + ([(FLOOR, "none", None)] if floor else [])
 
 
-def make_train_step(config, T: int, device: str = "cpu"):
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_train_step(config, T: int, device: str = "cpu", precision: str = "fp32"):
+    """One training step as ``lintrans train`` takes it: ``precision`` bf16/fp16 runs the forward under
+    ``torch.autocast`` (fp16 with a GradScaler, which needs CUDA), the weights and AdamW in float32."""
+    import contextlib
+
     from lintrans.models import GPT
 
+    if precision not in ("fp32", *AUTOCAST):
+        raise ValueError(f"precision must be one of {['fp32', *AUTOCAST]}, got {precision!r}")
+    dev = torch.device(device)
+    if precision == "fp16" and dev.type != "cuda":
+        raise ValueError(f"precision 'fp16' needs a CUDA device (gradient scaling), got {device}")
     torch.manual_seed(0)
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+    autocast = (torch.autocast(dev.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
+                else contextlib.nullcontext())
     g = torch.Generator().manual_seed(T)
     idx = torch.randint(0, config.vocab_size, (1, T + 1), generator=g).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
 
     def step():
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y, return_logits=False)
-        loss.backward()
-        opt.step()
+        with autocast:
+            _, loss = model(x, y, return_logits=False)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
     return step
 
 
 def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORMS, device: str = "cpu",
-              tuned_chunk: bool = True, floor: bool = True, mechanisms=(), on_point=None) -> list[Point]:
+              tuned_chunk: bool = True, floor: bool = True, mechanisms=(), on_point=None,
+              precision: str = "fp32") -> list[Point]:
     points: list[Point] = []
     for size in sizes:
         model = model_size(size, "--sizes")
@@ -57,7 +75,7 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
         for name, attention, form in train_series(forms, floor, mechanisms):
             def make(T, attention=attention, form=form):
                 chunk = model.chunk_size(T, attention, form, tuned=tuned_chunk, device=device)
-                step = make_train_step(model.gpt_config(T, attention, form, chunk), T, device)
+                step = make_train_step(model.gpt_config(T, attention, form, chunk), T, device, precision)
                 return step, {"chunk_size": chunk} if form in ("chunked", "attention_blocked") else {}
 
             # the floor only bounds softmax's speed-up, so it is timed where softmax was, and without

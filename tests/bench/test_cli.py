@@ -113,6 +113,48 @@ def test_bench_train_with_gated_mechanisms(tmp_path, monkeypatch):
     assert ("4L-128 gated-linear", "4L-128 softmax (SDPA)") in [(s["fast"], s["slow"]) for s in data["speedups"]]
 
 
+def test_bench_ops_in_bfloat16_times_bfloat16_inputs(tmp_path, monkeypatch):
+    """--dtype reaches the op: the series runs on bf16 q, k, v (seen by a wrapped op) and the title says so."""
+    from lintrans.bench import ops
+
+    seen = []
+    real = ops.make_op_step
+
+    def spy(fn, T, **kw):
+        seen.append(kw["dtype"])
+        return real(fn, T, **kw)
+
+    monkeypatch.setattr(ops, "make_op_step", spy)
+    out = tmp_path / "res"
+    assert main(["bench", "ops", "--T", "256", "--repeats", "1", "--ops", "gated-delta", "--time-cap", "3600",
+                 "--dtype", "bfloat16", "--out", str(out)]) == 0
+    data = json.loads((out / "ops.json").read_text())
+    assert seen and set(seen) == {torch.bfloat16} and "bfloat16" in data["title"]
+    assert [r["status"] for r in data["rows"]] == ["ok"]
+
+
+def test_bench_train_step_under_bf16_autocast_and_precision_errors():
+    """precision bf16: the step runs its forward under autocast (a bf16 matmul inside) and still updates the
+    float32 weights; fp16 needs CUDA (its GradScaler); unknown names are refused."""
+    from lintrans.bench.sizes import model_size
+    from lintrans.bench.train import make_train_step
+
+    cfg = model_size("4L-128", "--sizes").gpt_config(64, "gated-deltanet", "chunked", 16)
+    with pytest.raises(ValueError, match="fp16' needs a CUDA device"):
+        make_train_step(cfg, 64, "cpu", "fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        make_train_step(cfg, 64, "cpu", "fp8")
+    dtypes = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: dtypes.append(o.dtype) if isinstance(m, torch.nn.Linear) else None)
+    try:
+        step = make_train_step(cfg, 64, "cpu", "bf16")
+        step()
+    finally:
+        hook.remove()
+    assert torch.bfloat16 in dtypes
+
+
 def test_bench_rejects_unknown_mechanism():
     import pytest
 
@@ -253,6 +295,9 @@ def test_device_cuda_without_cuda_is_one_clear_error(capsys, tmp_path):
     (["bench", "ops", "--max-T", "x"], "lintrans bench: --max-T must be an int >= 256 or None, got 'x'"),
     (["bench", "ops", "--repeats", "1.5"], "lintrans bench: --repeats must be an int >= 1 or None, got '1.5'"),
     (["bench", "ops", "--profile", "huge"], "lintrans bench: --profile must be one of ['quick', 'full'], got 'huge'"),
+    (["bench", "ops", "--dtype", "int8"],
+     "lintrans bench: --dtype must be one of ['float32', 'bfloat16', 'float16'], got 'int8'"),
+    (["bench", "train", "--precision", "fp8"], "lintrans bench: --precision must be one of ['fp32', 'bf16', 'fp16'], got 'fp8'"),
 ])
 def test_bench_flags_are_typed_by_its_options_dataclass(argv, message):
     with pytest.raises(SystemExit) as e:
