@@ -48,10 +48,12 @@ class ModelShape(HeadGeometry):
         opts = dict(getattr(config, "attention_options", {}) or {})
         hd = config.n_embd // config.n_head
         fdim = None
-        if config.attention == "linear" and isinstance(opts.get("feature_map", "elu"), str):
+        from .sizes import is_linear
+
+        if is_linear(config.attention) and isinstance(opts.get("feature_map", "elu"), str):
             from .sizes import feature_dim_of
 
-            fdim = feature_dim_of(opts.get("feature_map", "elu"), hd)
+            fdim = feature_dim_of(opts.get("feature_map", "elu"), opts.get("qk_dim") or hd)
         chunk = opts.get("chunk_size", 64)
         return cls(
             n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, vocab_size=config.vocab_size,

@@ -22,7 +22,8 @@ the gated remedy) x 3 contexts x 3 seeds plus the sweep, 1000 updates each: the 
 which softmax clearly beats the trigram (a probe at T = 256: 2.046 nats/byte with learned positions,
 1.617 with rotary ones, against the trigram's 1.818), so the record is one of models that use their
 context. More mechanisms join the same record with ``--mechanisms`` (finished runs are reused):
-``softmax@learned``, ``linear:based@none``, ``deltanet@none``, ``gated-deltanet@none``.
+``softmax@learned``, ``linear:feature_map=based,qk_dim=16@none`` (Based with its paper's feature dim),
+``deltanet@none``, ``gated-deltanet@none``.
 ``lintrans experiment context --estimate --jobs 2`` times a few steps of every model and prints
 what the runs not yet in the record folder would cost; ``--quick`` is a machinery check and
 ``--setting gpu`` has larger models and longer contexts (record folder context-gpu).

@@ -43,12 +43,13 @@ class QKVAttention(nn.Module):
 
     Options: type = NoOptions
 
-    def __init__(self, config):
+    def __init__(self, config, qk_dim: Optional[int] = None):
         super().__init__()
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
         self.head_dim = config.n_embd // config.n_head
-        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.qk_dim = qk_dim or self.head_dim  # queries' and keys' width per head; values keep head_dim
+        qkv_width = (self.n_head + self.n_kv_head) * self.qk_dim + self.n_kv_head * self.head_dim
         self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
@@ -56,13 +57,13 @@ class QKVAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor):
         B, T, _ = x.shape
-        D = self.head_dim
+        D, Dk = self.head_dim, self.qk_dim
         q, k, v = self.c_attn(x).split(
-            [self.n_head * D, self.n_kv_head * D, self.n_kv_head * D], dim=2
+            [self.n_head * Dk, self.n_kv_head * Dk, self.n_kv_head * D], dim=2
         )
         return (
-            q.view(B, T, self.n_head, D),
-            k.view(B, T, self.n_kv_head, D),
+            q.view(B, T, self.n_head, Dk),
+            k.view(B, T, self.n_kv_head, Dk),
             v.view(B, T, self.n_kv_head, D),
         )
 
@@ -274,8 +275,11 @@ class LinearOptions:
     chunk_size: Union[int, Literal["auto"]] = field(default=64, metadata={
         "low": 1, "help": "auto: the measured fastest (lintrans tune)"})
     normalize: bool = True
-    scale: Optional[float] = field(default=1.0, metadata={"help": "None: 1 / sqrt(head_dim)"})
+    scale: Optional[float] = field(default=1.0, metadata={"help": "None: 1 / sqrt(qk_dim)"})
     eps: float = 1e-6
+    qk_dim: Optional[int] = field(default=None, metadata={
+        "low": 1, "help": "width of each head's queries and keys, projected from the input as Based does "
+                          "(its feature dim 16); None: the head dim. Values keep the head dim"})
 
 
 @register_attention("linear")
@@ -314,11 +318,16 @@ class LinearAttention(QKVAttention):
         E = shape.head_dim + (1 if cls.option(shape, "normalize") else 0)  # S and, normalised, z
         return B * shape.n_head * shape.F * E * 4  # the state is float32 whatever the model's dtype
 
+    @classmethod
+    def qkv_width(cls, shape) -> int:
+        qk = cls.option(shape, "qk_dim") or shape.head_dim
+        return (shape.n_head + shape.kv_heads) * qk + shape.kv_heads * shape.head_dim
+
     def __init__(self, config):
-        super().__init__(config)
         opts = check_options(self.NAME, config.attention_options, self.Options)
+        super().__init__(config, qk_dim=opts["qk_dim"])
         fm = build_feature_maps(
-            opts["feature_map"], dict(opts["feature_map_options"]), self.head_dim, self.n_head,
+            opts["feature_map"], dict(opts["feature_map_options"]), self.qk_dim, self.n_head,
             opts["per_head"], opts["shared_qk"],
         )
         # modules become submodules, so their parameters train and are saved
@@ -326,7 +335,7 @@ class LinearAttention(QKVAttention):
         if self.feature_map_name is None:
             self.phi_q, self.phi_k = fm
         self.form, self.chunk_size = opts["form"], opts["chunk_size"]
-        scale = self.head_dim ** -0.5 if opts["scale"] is None else opts["scale"]
+        scale = self.qk_dim ** -0.5 if opts["scale"] is None else opts["scale"]
         self.kw = {"normalize": opts["normalize"], "scale": scale, "eps": opts["eps"]}
         self.options = opts
 

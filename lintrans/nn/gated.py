@@ -34,7 +34,7 @@ class RetentionOptions(LinearOptions):
 
     feature_map: str = field(default="identity", metadata=FEATURE_MAP)
     normalize: bool = False
-    scale: Optional[float] = field(default=None, metadata={"help": "None: 1 / sqrt(head_dim)"})
+    scale: Optional[float] = field(default=None, metadata={"help": "None: 1 / sqrt(qk_dim)"})
     group_norm: bool = field(default=True, metadata={"help": "layer-normalise each head's output"})
 
 
@@ -93,6 +93,10 @@ class GatedLinearAttention(_GatedAttention):
 
     NAME = "gated-linear"
     Options = GatedLinearOptions
+
+    @classmethod
+    def extra_parameters(cls, shape) -> int:
+        return shape.n_head * (shape.n_embd + 1)  # the gate's weight [H, C] and bias [H]
 
     def __init__(self, config):
         super().__init__(config)

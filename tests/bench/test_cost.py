@@ -15,6 +15,7 @@ CONFIGS = [
     ("softmax", {}, 64, {"n_kv_head": 2, "mlp": "swiglu", "bias": False}),
     ("linear", {"form": "chunked", "chunk_size": 32}, 100, {}),  # T not a multiple of the chunk
     ("linear", {"form": "chunked", "chunk_size": 16, "feature_map": "based"}, 48, {}),
+    ("linear", {"form": "chunked", "chunk_size": 16, "feature_map": "based", "qk_dim": 8}, 48, {}),  # Based's d'
     ("linear", {"form": "attention"}, 64, {}),
     ("linear", {"form": "attention_blocked", "chunk_size": 16}, 50, {}),
     ("linear", {"form": "state_parallel"}, 40, {}),
@@ -47,7 +48,8 @@ def test_flops_match_flop_counter(monkeypatch, attention, opts, T, extra):
     assert train.get_total_flops() == pytest.approx(training_flops(shape, T, 2)["total"], rel=0.05)
 
 
-@pytest.mark.parametrize("attention,opts,T,extra", CONFIGS[:4] + CONFIGS[-1:])
+@pytest.mark.parametrize("attention,opts,T,extra", CONFIGS[:5] + CONFIGS[-1:] + [
+    ("gated-linear", {"qk_dim": 8}, 32, {"n_kv_head": 2})])
 def test_parameters_match_the_model(attention, opts, T, extra):
     model, shape = _model(attention, opts, extra)
     counts = parameters(shape)

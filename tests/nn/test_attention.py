@@ -34,14 +34,16 @@ def reference(layer, x, attention, n_kv_head, **opts):
     [("softmax", {}), ("none", {}), ("linear", {"feature_map": "elu", "chunk_size": 4}),
      # eps large enough that rows whose relu features nearly vanish stay well-conditioned in float32
      ("linear", {"feature_map": "relu", "form": "attention", "eps": 1e-2}),
-     ("linear", {"feature_map": "identity", "normalize": False, "scale": 0.5})],
+     ("linear", {"feature_map": "identity", "normalize": False, "scale": 0.5}),
+     # Based's projection: queries and keys of width 4 (not the head's 6), Taylor features of those
+     ("linear", {"feature_map": "based", "qk_dim": 4, "chunk_size": 4})],
 )
 def test_layer_equals_reference_outputs_and_grads(attention, opts, n_kv_head, T):
     layer = get_attention(attention)(config(attention=attention, attention_options=opts, n_kv_head=n_kv_head))
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    op_opts = {k: v for k, v in opts.items() if k not in ("chunk_size", "form")}
+    op_opts = {k: v for k, v in opts.items() if k not in ("chunk_size", "form", "qk_dim")}
     x = torch.randn(2, T, 24, requires_grad=True)
     y, cache = layer(x)
     assert cache is None
@@ -82,6 +84,22 @@ def test_linear_cache_is_the_recurrent_state():
     torch.testing.assert_close(torch.cat([y1, y2, y3], 1), full, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["linear", "gated-linear"])
+def test_qk_dim_narrows_queries_and_keys_and_decodes_as_it_runs(attention):
+    """qk_dim=4 on heads of 6: q and k are 4 wide (the state F x D with F Based's 1 + 4 + 10 features),
+    and prefill + one-token steps equal the full forward."""
+    opts = {"feature_map": "based", "qk_dim": 4, "chunk_size": 3}
+    layer = get_attention(attention)(config(attention=attention, attention_options=opts))
+    assert layer.c_attn.weight.shape == (4 * 4 + 4 * 4 + 4 * 6, 24)
+    x = torch.randn(1, 7, 24)
+    full, _ = layer(x)
+    y1, state = layer(x[:, :5], use_cache=True)
+    assert state[0].shape == (1, 4, 15, 6)
+    y2, state = layer(x[:, 5:6], cache=state, use_cache=True)
+    y3, _ = layer(x[:, 6:], cache=state, use_cache=True)
+    torch.testing.assert_close(torch.cat([y1, y2, y3], 1), full, atol=1e-6, rtol=1e-5)
+
+
 def test_module_feature_maps_are_trainable_submodules():
     from lintrans.nn.attention import feature_map_names
 
@@ -105,7 +123,9 @@ def test_module_feature_maps_are_trainable_submodules():
     [({"form": "magic"}, ValueError, "form'\\] must be one of"),
      ({"chunk_size": 0}, ValueError, "chunk_size"),
      ({"feature_map": "elu", "feature_map_options": {"x": 1}}, ValueError, "takes no feature_map_options"),
-     ({"feature_map": 3}, TypeError, "feature_map'\\] must be one of")],
+     ({"feature_map": 3}, TypeError, "feature_map'\\] must be one of"),
+     ({"qk_dim": 0}, ValueError, "qk_dim"),
+     ({"qk_dim": 2.5}, TypeError, "qk_dim")],
 )
 def test_linear_bad_options(opts, err, match):
     with pytest.raises(err, match=match):
