@@ -106,10 +106,13 @@ def _fla_chunk():
 
 @pytest.mark.parametrize("gate", [None, "token"])
 @pytest.mark.parametrize("T", [1, 100])
-def test_fla_chunk_gated_delta_rule_matches_ours_on_cuda(gate, T):
-    """fla's Triton kernel against ours on the same float32 CUDA tensors: outputs, final states and the
-    gradients of q, k, v, beta, the gate and the state. Tolerances allow TF32 (Triton's float32 dot
-    products round inputs to 10-bit mantissas), relative to each quantity's size."""
+@pytest.mark.parametrize("backward", [False, True])
+def test_fla_chunk_gated_delta_rule_matches_ours_on_cuda(gate, T, backward):
+    """fla's Triton kernel against ours on the same float32 CUDA tensors: outputs and final states, and
+    with ``backward`` the gradients of q, k, v, beta, the gate and the state. Tolerances allow TF32
+    (Triton's float32 dot products round inputs to 10-bit mantissas), relative to each quantity's size.
+    fla refuses gated backward passes where its Triton miscompiles them (Hopper with Triton < 3.7.1):
+    that case is skipped with fla's reason, not failed."""
     fla_chunk = _fla_chunk()
     B, H, D = 2, 2, 64
     q, k, v, beta, ld, S0 = _case(B, T, H, D, D, "token")
@@ -124,7 +127,18 @@ def test_fla_chunk_gated_delta_rule_matches_ours_on_cuda(gate, T):
     def ours(q_, k_, v_, b_, g_, S0_):
         return delta_rule(q_, k_, v_, b_, log_decay=g_, initial_state=S0_, output_final_state=True)
 
+    if backward:
+        try:
+            got = _run(theirs, ts)
+        except RuntimeError as e:
+            if "produces incorrect results" in str(e):
+                pytest.skip(f"fla refuses this backward here: {e}")
+            raise
+        want = _run(ours, ts)
+    else:
+        with torch.no_grad():
+            got, want = list(theirs(*ts)), list(ours(*ts))
     names = ("o", "S", "dq", "dk", "dv", "dbeta", "dg", "dS0")
-    for name, a, b in zip(names, _run(theirs, ts), _run(ours, ts)):
+    for name, a, b in zip(names, got, want):
         err = (a.float() - b.float()).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{name}: max abs error {err:.3g}"
