@@ -48,12 +48,15 @@ class ModelShape(HeadGeometry):
         opts = dict(getattr(config, "attention_options", {}) or {})
         hd = config.n_embd // config.n_head
         fdim = None
+        from lintrans.ops.feature_maps import FEATURE_MAPS
+
         from .sizes import is_linear
 
-        if is_linear(config.attention) and isinstance(opts.get("feature_map", "elu"), str):
+        fm = opts.get("feature_map", "elu")  # every linear-family layer's default
+        if is_linear(config.attention) and isinstance(fm, str) and fm in FEATURE_MAPS:  # module maps: not modelled
             from .sizes import feature_dim_of
 
-            fdim = feature_dim_of(opts.get("feature_map", "elu"), opts.get("qk_dim") or hd)
+            fdim = feature_dim_of(fm, opts.get("qk_dim") or hd)
         chunk = opts.get("chunk_size", 64)
         return cls(
             n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd, vocab_size=config.vocab_size,
@@ -64,7 +67,7 @@ class ModelShape(HeadGeometry):
 
     @property
     def F(self) -> int:
-        return self.feature_dim or self.head_dim
+        return self.feature_dim or (self.attention_options or {}).get("qk_dim") or self.head_dim
 
     @property
     def mlp_hidden(self) -> int:

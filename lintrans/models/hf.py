@@ -104,6 +104,10 @@ def _apply_overrides(config: GPTConfig, overrides: dict) -> GPTConfig:
         raise ValueError(
             f"cannot override {bad} when loading weights (the shapes would change); allowed: {list(WEIGHT_PRESERVING)}"
         )
+    qk_dim = (overrides.get("attention_options") or {}).get("qk_dim")
+    if qk_dim is not None and qk_dim != config.n_embd // config.n_head:
+        raise ValueError(f"attention_options['qk_dim'] = {qk_dim} would change c_attn's shape (queries and keys "
+                         f"{config.n_embd // config.n_head} wide per head in these weights): leave it out when loading")
     return config.replace(**overrides) if overrides else config
 
 

@@ -35,7 +35,8 @@ class NoOptions:
 
 
 class QKVAttention(nn.Module):
-    """The projections every q/k/v mechanism shares: x [B,T,C] -> q [B,T,H,D], k, v [B,T,Hkv,D].
+    """The projections every q/k/v mechanism shares: x [B,T,C] -> q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,D]
+    (Dk = ``qk_dim``, the head size D unless a linear layer's ``qk_dim`` option narrows it).
 
     ``Options``: the dataclass of the mechanism's ``attention_options`` (typed keys and defaults,
     checked by ``check_options``); each registered layer sets its own.

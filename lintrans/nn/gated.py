@@ -2,7 +2,7 @@
 
 ``retention`` (RetNet, Sun et al. 2023): a fixed decay per head, ``gamma_h = 1 - 2^(-5 - h)``, so
 head h forgets with a time constant of about 2^(5 + h) tokens; identity feature map with q scaled by
-1/sqrt(D), no normaliser, and each head's output layer-normalised (RetNet's group norm, here
+1/sqrt(qk_dim) (the head size unless ``qk_dim`` is set), no normaliser, and each head's output layer-normalised (RetNet's group norm, here
 without affine parameters since ``c_proj`` follows). RetNet's swish output gate is not included.
 
 ``gated-linear`` (simple GLA / Mamba-2 style): a data-dependent scalar gate per token and head,
@@ -10,7 +10,7 @@ without affine parameters since ``c_proj`` follows). RetNet's swish output gate 
 different time constants per head) and ``W_g`` at zero-mean N(0, 0.02^2), so training starts from
 retention and learns when to forget. Same feature map, scaling and output norm as ``retention``.
 
-Both accept every option of ``linear`` (feature map, form, chunk size, normalize, scale, eps), with
+Both accept every option of ``linear`` (feature map, form, chunk size, normalize, scale, eps, qk_dim), with
 these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``tau`` (> 0).
 """
 from __future__ import annotations
@@ -97,6 +97,10 @@ class GatedLinearAttention(_GatedAttention):
     @classmethod
     def extra_parameters(cls, shape) -> int:
         return shape.n_head * (shape.n_embd + 1)  # the gate's weight [H, C] and bias [H]
+
+    @classmethod
+    def core_flops(cls, shape, T: int, B: int = 1) -> float:
+        return super().core_flops(shape, T, B) + 2.0 * B * T * shape.n_embd * shape.n_head  # the gate's x W_g
 
     def __init__(self, config):
         super().__init__(config)

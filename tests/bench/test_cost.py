@@ -19,6 +19,7 @@ CONFIGS = [
     ("linear", {"form": "attention"}, 64, {}),
     ("linear", {"form": "attention_blocked", "chunk_size": 16}, 50, {}),
     ("linear", {"form": "state_parallel"}, 40, {}),
+    ("gated-linear", {"chunk_size": 16, "qk_dim": 8}, 48, {}),  # the gate's projection; F from qk_dim
     ("none", {}, 64, {}),  # the no-mixing floor: every matmul but the attention
     ("reformer", {"n_buckets": 8, "chunk_size": 16, "n_hashes": 3}, 72, {}),  # one shared qk projection
     ("reformer", {"n_buckets": 1, "chunk_size": 64}, 40, {}),  # one chunk, no hashing

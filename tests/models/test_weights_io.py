@@ -165,6 +165,8 @@ def test_mismatched_checkpoints_fail_clearly(tmp_path):
         load_model(tmp_path / "lt")
     with pytest.raises(ValueError, match=r"cannot override \['n_layer'\]"):
         load_model(tmp_path / "lt", n_layer=2)
+    with pytest.raises(ValueError, match=r"attention_options\['qk_dim'\] = 4 would change c_attn's shape"):
+        load_model(tmp_path / "lt", attention="linear", attention_options={"qk_dim": 4})
     with pytest.raises(FileNotFoundError, match="neither config.json"):
         (tmp_path / "empty").mkdir()
         load_model(tmp_path / "empty")

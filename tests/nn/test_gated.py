@@ -27,7 +27,7 @@ def reference(layer, x, n_kv_head, *, feature_map="identity", normalize=False, s
         ld = -F.softplus(x @ layer.gate.weight.T + layer.gate.bias) / layer.gate.tau  # [B,T,H]
     else:
         ld = torch.log(1 - 2.0 ** (-5.0 - torch.arange(layer.n_head, dtype=torch.float64)))
-    scale = layer.head_dim ** -0.5 if scale is None else scale
+    scale = layer.qk_dim ** -0.5 if scale is None else scale
     o, _ = linear_attention_reference(q, k, v, feature_map=feature_map, normalize=normalize, scale=scale, log_decay=ld)
     if group_norm:
         o = (o - o.mean(-1, keepdim=True)) / torch.sqrt(o.var(-1, unbiased=False, keepdim=True) + 1e-5)
@@ -38,7 +38,8 @@ def reference(layer, x, n_kv_head, *, feature_map="identity", normalize=False, s
 @pytest.mark.parametrize("T", [1, 5, 13])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 @pytest.mark.parametrize("opts", [{"chunk_size": 4}, {"feature_map": "elu", "normalize": True, "group_norm": False,
-                                                       "scale": 1.0, "form": "attention"}])
+                                                       "scale": 1.0, "form": "attention"},
+                                  {"chunk_size": 4, "qk_dim": 4}])  # scale None: 1 / sqrt(qk_dim), not the head's
 def test_layer_equals_reference_outputs_and_grads(attention, T, n_kv_head, opts):
     layer = get_attention(attention)(config(attention, opts, n_kv_head=n_kv_head))
     with torch.no_grad():
@@ -48,7 +49,8 @@ def test_layer_equals_reference_outputs_and_grads(attention, T, n_kv_head, opts)
     x = torch.randn(2, T, 24, dtype=torch.float64, requires_grad=True)
     y, _ = layer(x)
     ref_layer = copy.deepcopy(layer)
-    ref = reference(ref_layer, x, n_kv_head, **{k: v for k, v in opts.items() if k not in ("chunk_size", "form")})
+    ref = reference(ref_layer, x, n_kv_head,
+                    **{k: v for k, v in opts.items() if k not in ("chunk_size", "form", "qk_dim")})
     torch.testing.assert_close(y, ref, atol=1e-10, rtol=1e-9)
     g = torch.randn_like(ref)
     got = torch.autograd.grad(y, [x, *[p for _, p in sorted(layer.named_parameters())]], g)
