@@ -11,6 +11,15 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def exact_float32():
+    """TF32 off, so float32 on a GPU is compared as float32 (the CUDA test modules use it)."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
 def _documented_chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
     """fla's documented contract, step by step: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t;
     q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, states [B, H, K, V]."""

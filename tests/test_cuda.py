@@ -12,18 +12,10 @@ from lintrans.models import GPT, GPTConfig
 from lintrans.nn.registry import available_attention
 from lintrans.ops import FORMS, linear_attention, linear_attention_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("exact_float32")]
 
 DEVICE = "cuda"
-
-
-@pytest.fixture(autouse=True)
-def exact_float32():
-    """TF32 off, so float32 on the GPU is compared as float32."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _inputs(B, T, H, Dk, Dv, decay, seed=0):

@@ -6,18 +6,10 @@ import torch
 
 from lintrans.ops import delta_rule, delta_rule_reference, delta_rule_step
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("exact_float32")]
 
 DEVICE = "cuda"
-
-
-@pytest.fixture(autouse=True)
-def exact_float32():
-    """TF32 off, so float32 on the GPU is compared as float32."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _case(B, T, H, Dk, Dv, gate, seed=0):
