@@ -181,14 +181,15 @@ def arithmetic_intensity(m: ModelShape, T: int, B: int = 1, dtype: str = "float3
     qkvo = 4 * B * T * N * h * b  # read q, k, v, write o
     softmax = 4 * B * N * T * T * h / qkvo
     one_layer = ModelShape(**{**m.__dict__, "n_layer": 1, "attention": "linear", "form": "chunked"})
+    qk = (m.attention_options or {}).get("qk_dim") or h  # linear layers may project q, k to their own width
     n_chunks = math.ceil(T / m.chunk_size)
     chunk_state_io = 2 * B * N * n_chunks * m.F * (h + 1) * 4
-    linear = attention_core_flops(one_layer, T, B) / (qkvo + chunk_state_io)
+    linear = attention_core_flops(one_layer, T, B) / (2 * B * T * N * (qk + h) * b + chunk_state_io)
     # one decode step: the KV cache is read whole for 4 N T h FLOPs; the state is read and written
     kv_decode = 4 * B * N * T * h / (2 * B * K * T * h * b)
     state_decode = 4 * B * N * m.F * (h + 1) / (2 * B * N * m.F * (h + 1) * 4)
     return {
-        "qkv projection": matmul(BT, D, (N + 2 * K) * h),
+        "qkv projection": matmul(BT, D, _mechanism(one_layer).qkv_width(one_layer)),
         "mlp up": matmul(BT, D, m.mlp_hidden),
         "lm head": matmul(BT, D, m.vocab_size),
         "softmax attention (flash)": softmax,

@@ -28,34 +28,24 @@ def train_series(forms=LINEAR_FORMS, floor: bool = True, mechanisms=()) -> list[
     return series + ([(FLOOR, "none", None)] if floor else [])
 
 
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def make_train_step(config, T: int, device: str = "cpu", precision: str = "fp32"):
     """One training step as ``lintrans train`` takes it: ``precision`` bf16/fp16 runs the forward under
     ``torch.autocast`` (fp16 with a GradScaler, which needs CUDA), the weights and AdamW in float32."""
-    import contextlib
-
     from lintrans.models import GPT
+    from lintrans.train.precision import autocast, grad_scaler, resolve_precision
 
-    if precision not in ("fp32", *AUTOCAST):
-        raise ValueError(f"precision must be one of {['fp32', *AUTOCAST]}, got {precision!r}")
-    dev = torch.device(device)
-    if precision == "fp16" and dev.type != "cuda":
-        raise ValueError(f"precision 'fp16' needs a CUDA device (gradient scaling), got {device}")
+    precision = resolve_precision(precision, device, what="precision")
     torch.manual_seed(0)
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
-    autocast = (torch.autocast(dev.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
-                else contextlib.nullcontext())
+    scaler, context = grad_scaler(precision), autocast(precision, device)
     g = torch.Generator().manual_seed(T)
     idx = torch.randint(0, config.vocab_size, (1, T + 1), generator=g).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with autocast:
+        with context:
             _, loss = model(x, y, return_logits=False)
         scaler.scale(loss).backward()
         scaler.step(opt)

@@ -316,8 +316,8 @@ class LinearAttention(QKVAttention):
 
     @classmethod
     def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
-        E = shape.head_dim + (1 if cls.option(shape, "normalize") else 0)  # S and, normalised, z
-        return B * shape.n_head * shape.F * E * 4  # the state is float32 whatever the model's dtype
+        # S and z: the op's state always carries z (F floats a head), normalised or not
+        return B * shape.n_head * shape.F * (shape.head_dim + 1) * 4  # float32 whatever the model's dtype
 
     @classmethod
     def qkv_width(cls, shape) -> int:

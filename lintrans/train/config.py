@@ -15,9 +15,9 @@ from lintrans.checks import check_known_keys
 from lintrans.config import apply_overrides, check_fields, dump, from_dict, read_file
 from lintrans.models import GPTConfig
 
+from .precision import PRECISIONS
 from .tokenizer import TOKENIZERS
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "constant")
 RESUME_MODES = ("auto", "never", "must")
 PARALLEL = ("ddp", "fsdp")

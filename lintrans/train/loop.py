@@ -1,7 +1,6 @@
 """The training loop behind ``lintrans train``: resumable, DDP-aware, stops cleanly on signals and NaNs."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -21,6 +20,7 @@ from .distributed import (
     DistInfo, all_mean, any_flag, barrier, full_state_dicts, full_value, gather_objects, init_distributed, is_sharded,
     load_sharded_optimizer, local_tensor, no_gradient_sync, parallelize, peak_memory_bytes, shutdown,
 )
+from .precision import autocast, grad_scaler, resolve_precision
 from .tokenizer import get_tokenizer
 
 EXIT_NONFINITE = 1
@@ -63,14 +63,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
         fused=device.type == "cuda" or None,
     )
-
-
-def _precision(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if name == "fp16" and device.type != "cuda":
-        raise ValueError(f"train.precision 'fp16' needs a CUDA device (gradient scaling); got {device}")
-    return name
 
 
 class MetricsLog:
@@ -330,8 +322,8 @@ class _Run:
         self.optimizer = build_optimizer(self.model, cfg, info.device)
         torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
         self.sampler = WindowSampler(len(self.data.train), self.block, cfg.train.seed)
-        self.precision = _precision(cfg.train.precision, info.device)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+        self.precision = resolve_precision(cfg.train.precision, info.device)
+        self.scaler = grad_scaler(self.precision)
         if self.saved is not None:
             ckpt.load_optimizer(self.found, self.optimizer, load=(
                 (lambda state: load_sharded_optimizer(self.model, self.optimizer, state))
@@ -346,10 +338,7 @@ class _Run:
             if st.get("scaler"):
                 self.scaler.load_state_dict(st["scaler"])
             self.say(f"resuming from {self.found} at step {self.step}")
-        self.autocast = (
-            torch.autocast(info.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
-            if self.precision in ("bf16", "fp16") else contextlib.nullcontext()
-        )
+        self.autocast = autocast(self.precision, info.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         eval_rng = np.random.Generator(np.random.PCG64(cfg.train.seed + 1))
         # Fixed validation windows (comparable across evals), eval_batches global batches split like training ones.

@@ -111,8 +111,8 @@ def test_cost_follows_the_mechanisms_options():
     wide = ModelShape(n_layer=1, n_head=4, n_embd=64, attention="sliding-window", attention_options={"window": 64})
     assert attention_core_flops(wide, 4096) == 4 * attention_core_flops(narrow, 4096) == 4 * 4 * 4 * 4096 * 16 * 16
     assert cache_bytes(wide, 4096) == 4 * cache_bytes(narrow, 4096) == 2 * 4 * 16 * 64 * 4  # a ring of w rows (dilation 1)
-    gated = ModelShape(n_layer=1, n_head=4, n_embd=64, attention="gated-linear")  # no normaliser by default
-    assert cache_bytes(gated, 10) == 4 * 16 * 16 * 4
+    gated = ModelShape(n_layer=1, n_head=4, n_embd=64, attention="gated-linear")  # no normaliser, z still kept
+    assert cache_bytes(gated, 10) == 4 * 16 * 17 * 4
 
 
 def test_speedup_bounds():
@@ -135,3 +135,31 @@ def test_cost_model_and_config_load_without_torch():
     code = "import sys, lintrans.bench.cost, lintrans.models.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("attention", ["linear", "retention", "gated-linear"])
+@pytest.mark.parametrize("options", [{}, {"normalize": True}, {"normalize": False}, {"qk_dim": 6},
+                                     {"feature_map": "based", "qk_dim": 4}, {"feature_map": "relu", "normalize": True}])
+def test_linear_family_cache_is_what_the_layer_keeps(attention, options):
+    """The cost model's cache size equals the bytes of the generation cache a model actually keeps
+    (the state S, and z when normalised), at any length."""
+    from lintrans.experiments.models import state_floats
+    from lintrans.models import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=20, block_size=64, attention=attention,
+                    attention_options=options)
+    shape = ModelShape.from_config(cfg)
+    kept = state_floats(GPT(cfg), 9) * 4 * cfg.n_layer
+    assert kept == cache_bytes(shape, 9) == cache_bytes(shape, 50)
+
+
+def test_intensity_counts_the_qk_width():
+    """With qk_dim, q and k are narrower: the chunked op moves fewer bytes and the qkv projection is
+    narrower than 3 heads' width."""
+    full = ModelShape(n_layer=1, n_head=4, n_embd=256, attention="linear")
+    narrow = ModelShape(n_layer=1, n_head=4, n_embd=256, attention="linear", attention_options={"qk_dim": 16})
+    a, b = arithmetic_intensity(full, 4096), arithmetic_intensity(narrow, 4096)
+    BT, D, width = 4096, 256, (4 + 4) * 16 + 4 * 64
+    assert b["qkv projection"] == pytest.approx(2 * BT * D * width / ((BT * D + D * width + BT * width) * 4))
+    assert b["qkv projection"] < a["qkv projection"]
+    assert b["linear attention (chunked)"] != a["linear attention (chunked)"]
