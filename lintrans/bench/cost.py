@@ -181,7 +181,7 @@ def arithmetic_intensity(m: ModelShape, T: int, B: int = 1, dtype: str = "float3
     qkvo = 4 * B * T * N * h * b  # read q, k, v, write o
     softmax = 4 * B * N * T * T * h / qkvo
     one_layer = ModelShape(**{**m.__dict__, "n_layer": 1, "attention": "linear", "form": "chunked"})
-    qk = (m.attention_options or {}).get("qk_dim") or h  # linear layers may project q, k to their own width
+    qk = _mechanism(one_layer).option(one_layer, "qk_dim") or h  # q, k may have their own width
     n_chunks = math.ceil(T / m.chunk_size)
     chunk_state_io = 2 * B * N * n_chunks * m.F * (h + 1) * 4
     linear = attention_core_flops(one_layer, T, B) / (2 * B * T * N * (qk + h) * b + chunk_state_io)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
+# torch is imported in the functions: lintrans.train.config takes PRECISIONS from here and loads without torch
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
 
 
 def resolve_precision(name: str, device: torch.device | str, *, what: str = "train.precision") -> str:
     """``auto`` becomes bf16 on CUDA devices that support it and fp32 elsewhere; fp16 needs CUDA
     (gradient scaling). ``what`` names the setting in errors."""
+    import torch
+
     device = torch.device(device)
     if name not in PRECISIONS:
         raise ValueError(f"{what} must be one of {list(PRECISIONS)}, got {name!r}")
@@ -26,12 +27,16 @@ def resolve_precision(name: str, device: torch.device | str, *, what: str = "tra
 
 def autocast(precision: str, device: torch.device | str):
     """The forward's context: autocast for bf16/fp16, nothing for fp32."""
+    import torch
+
     device = torch.device(device)
     if precision in AUTOCAST_DTYPES:
-        return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+        return torch.autocast(device.type, dtype=getattr(torch, AUTOCAST_DTYPES[precision]))
     return contextlib.nullcontext()
 
 
 def grad_scaler(precision: str) -> torch.amp.GradScaler:
     """A GradScaler that scales only for fp16 (a pass-through otherwise)."""
+    import torch
+
     return torch.amp.GradScaler("cuda", enabled=precision == "fp16")

@@ -132,7 +132,8 @@ def test_cost_model_and_config_load_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, lintrans.bench.cost, lintrans.models.config; print('torch' in sys.modules)"
+    code = ("import sys, lintrans.bench.cost, lintrans.models.config, lintrans.train.config; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -142,7 +143,7 @@ def test_cost_model_and_config_load_without_torch():
                                      {"feature_map": "based", "qk_dim": 4}, {"feature_map": "relu", "normalize": True}])
 def test_linear_family_cache_is_what_the_layer_keeps(attention, options):
     """The cost model's cache size equals the bytes of the generation cache a model actually keeps
-    (the state S, and z when normalised), at any length."""
+    (the state S and z, which the op keeps normalised or not), at any length."""
     from lintrans.experiments.models import state_floats
     from lintrans.models import GPT, GPTConfig
 
