@@ -58,10 +58,10 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
-def _group_rank(group) -> tuple[object, int, int]:
+def _group_rank(group, op: str = "context_parallel_linear_attention") -> tuple[object, int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "context_parallel_linear_attention needs an initialised torch.distributed process group "
+            f"{op} needs an initialised torch.distributed process group "
             "(torch.distributed.init_process_group, e.g. under torchrun); group=None means the default group"
         )
     if group is None:

@@ -96,3 +96,14 @@ def test_one_rank_is_the_plain_op():
         b = delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"], initial_state=S0,
                        output_final_state=True)
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_low_precision_inputs_on_one_rank():
+    """bf16 q, k, v, beta as a mixed-precision layer passes them: computed in float32 like the plain op."""
+    with group_of_one():
+        x = {n: t.to(torch.bfloat16) for n, t in _inputs(9, "token").items()}
+        a = context_parallel_delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"],
+                                        output_final_state=True)
+        b = delta_rule(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"], output_final_state=True)
+        assert a[0].dtype == torch.bfloat16 and a[1].dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

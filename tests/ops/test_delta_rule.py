@@ -248,6 +248,31 @@ def test_gradients_with_only_the_output(gate, chunked_path):
         assert_close(a, b, 1e-10 * max(1.0, b.abs().max().item()), f"d{name}")
 
 
+@pytest.mark.parametrize("upstream", ["broadcast over T", "broadcast everywhere", "transposed"])
+def test_gradients_of_strided_upstream(upstream, chunked_path):
+    """The gradient reaching o as autograd hands it over: expanded along T (stride 0 there) by a sum
+    over T, expanded everywhere by ``o.sum()``, or a transposed view. The kernel reads do's rows in
+    place where BLAS can, so each layout must give the reference's gradients."""
+    B, T, H, Dk, Dv = 2, 21, 2, 5, 4
+    q, k, v, beta = (x.requires_grad_() for x in inputs(B, T, H, Dk, Dv))
+    ld = gate_for("token", B, T, H).requires_grad_()
+    w = torch.randn(B, H, Dv, generator=gen(3), dtype=F64)
+
+    def loss(o):
+        if upstream == "broadcast over T":
+            return (o.sum(1) * w).sum()
+        if upstream == "broadcast everywhere":
+            return o.sum()
+        return (o.transpose(1, 2) * torch.randn(B, H, T, Dv, generator=gen(4), dtype=F64)).sum()
+
+    o, _ = delta_rule(q, k, v, beta, log_decay=ld, chunk_size=8)
+    got = torch.autograd.grad(loss(o), (q, k, v, beta, ld))
+    ref, _ = delta_rule_reference(q, k, v, beta, log_decay=ld)
+    want = torch.autograd.grad(loss(ref), (q, k, v, beta, ld))
+    for name, a, b in zip(NAMES, got, want):
+        assert_close(a, b, 1e-10 * max(1.0, b.abs().max().item()), f"d{name}")
+
+
 @pytest.mark.parametrize("gate", ["none", "token", "fixed"])
 @pytest.mark.parametrize("l2", [True, False])
 def test_gradcheck_chunked(gate, l2, chunked_path):
@@ -468,7 +493,15 @@ BAD = [
     (dict(l2_normalize=1), TypeError, "l2_normalize"),
     (dict(l2_normalize="yes"), TypeError, "l2_normalize"),
     (dict(scale="1"), TypeError, "scale"),
+    (dict(output_final_state="yes"), TypeError, "output_final_state"),
 ]
+
+
+def test_empty_batch_with_a_gate(chunked_path):
+    """B = 0: nothing to compute, and no value check trips over an empty log_decay."""
+    q, k, v, beta = inputs(0, 5, 2, 3, 4)
+    o, S = delta_rule(q, k, v, beta, log_decay=gates((0, 5, 2)), output_final_state=True)
+    assert o.shape == (0, 5, 2, 4) and S.shape == (0, 2, 3, 4)
 
 
 @pytest.mark.parametrize("change,exc,word", BAD, ids=[f"{next(iter(c))}-{i}" for i, (c, _, _) in enumerate(BAD)])

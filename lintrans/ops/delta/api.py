@@ -97,19 +97,21 @@ def delta_rule(
         raise ValueError(f"form must be one of {list(DELTA_FORMS)}, got {form!r}")
     check_positive_int("chunk_size", chunk_size, allow_none=True)
     _check_options(scale, l2_normalize)
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {output_final_state!r}")
     if initial_state is not None:
         _check_state(initial_state, B, H, Dk, Dv, q.device, "initial_state")
     dtype = compute_dtype(q.dtype)
     with autocast_off(q.device):
         S0 = (torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device) if initial_state is None
               else initial_state.to(dtype))
-        if form == "chunked" and _native_enabled and q.device.type == "cpu" and native_delta.supports(
-                *(x.to(dtype) for x in (q, k, v, beta)), None):
-            ld = None if log_decay is None else log_decay.to(dtype)
-            o, S = _chunked_form.native_chunked(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), ld, S0,
-                                                chunk_size or NATIVE_CHUNK, l2_normalize,
-                                                Dk**-0.5 if scale is None else scale)
-            return o.to(q.dtype), (S if output_final_state else None)
+        if form == "chunked" and _native_enabled and q.device.type == "cpu":
+            qkvb = [x.to(dtype) for x in (q, k, v, beta)]  # bf16/fp16 inputs computed in float32: once
+            if native_delta.supports(*qkvb, None):
+                ld = None if log_decay is None else log_decay.to(dtype)
+                o, S = _chunked_form.native_chunked(*qkvb, ld, S0, chunk_size or NATIVE_CHUNK, l2_normalize,
+                                                    Dk**-0.5 if scale is None else scale)
+                return o.to(q.dtype), (S if output_final_state else None)
         qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
         qs, ks, vs = (x.transpose(1, 2) for x in (qs, ks, v.to(dtype)))  # [B,H,T,D]
         bs = beta.to(dtype).transpose(1, 2)

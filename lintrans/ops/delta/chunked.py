@@ -1,6 +1,6 @@
 """The chunked delta rule: the WY representation of a chunk's updates, by one unit-triangular solve.
 
-Per chunk of c tokens with state S entering it, in-chunk cumulative log-decays b_i (Gamma_i = 2^.. =
+Per chunk of c tokens with state S entering it, in-chunk cumulative log-decays b_i (Gamma_i =
 exp(b_i), gamma = exp(b_c)) and E_ij = exp(b_i - b_j) for j <= i (every exponent <= 0):
 
     A  = strict_lower(diag(beta) K K^T * E)               L = I + A (unit lower triangular)

@@ -59,15 +59,15 @@ def context_parallel_delta_rule(
     gradients; for tensors every rank holds whole (a fixed log_decay, initial_state) the ranks' parts
     sum to it.
     """
-    group, rank, R = _group_rank(group)
+    group, rank, R = _group_rank(group, "context_parallel_delta_rule")
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     if initial_state is not None:  # here, on every rank: a bad state must not fail rank 0 alone
         _check_state(initial_state, B, H, Dk, Dv, q.device, "initial_state")
     dtype = compute_dtype(q.dtype)
-    zeros = torch.zeros(B, T, H, Dk, dtype=dtype, device=q.device)
+    zeros = torch.zeros(B, T, H, Dk, dtype=v.dtype, device=q.device)  # q, k, v must share a dtype
     eye = torch.eye(Dk, dtype=dtype, device=q.device).expand(B, H, Dk, Dk)
     start = torch.cat([torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device), eye], dim=-1)
-    _, summary = delta_rule(q, k, torch.cat([v.to(dtype), zeros], dim=-1), beta, log_decay=log_decay,
+    _, summary = delta_rule(q, k, torch.cat([v, zeros], dim=-1), beta, log_decay=log_decay,
                             initial_state=start, output_final_state=True, **kwargs)  # [B,H,Dk,Dv+Dk] = [D | M]
     maps = _AllGather.apply(summary.flatten(), group).view(R, B, H, Dk, Dv + Dk)  # the one collective
     S0 = None if initial_state is None else initial_state.to(dtype)

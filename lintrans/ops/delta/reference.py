@@ -65,6 +65,6 @@ def delta_rule_reference(
     if log_decay is not None:
         ld = log_decay.double()
         ld = ld[None, :, None].expand(1, H, T) if ld.dim() == 1 else ld.transpose(1, 2)
-    S0 = torch.zeros(B, H, Dk, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    S0 = torch.zeros(B, H, Dk, v.shape[-1], dtype=torch.float64, device=q.device) if initial_state is None else initial_state.double()
     o, S = token_loop(*(x.transpose(1, 2) for x in (q, k, v)), beta.transpose(1, 2), ld, S0)
     return o.transpose(1, 2), S

@@ -65,7 +65,7 @@ def check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> None
         raise ValueError(f"log_decay must have shape {list(full)} or [{H}] ({layout}), got {list(log_decay.shape)}")
     if log_decay.device != device:
         raise ValueError(f"log_decay must be on {device} like q, got {log_decay.device}")
-    if reads_values(log_decay.device):
+    if reads_values(log_decay.device) and log_decay.numel():  # an empty batch has no values to check
         lo, hi = torch.aminmax(log_decay)  # one pass; a NaN makes both NaN
         if not (hi <= 0 and lo > float("-inf")):
             bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0

@@ -77,6 +77,13 @@ def last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def blas_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D], or a contiguous copy where BLAS cannot read one head's [T, D] rows in place:
+    it needs unit stride along D and rows at least D apart (a gradient broadcast along T has stride 0
+    there, and BLAS rejects such a leading dimension, skipping the product)."""
+    return x if x.stride(-1) == 1 and x.stride(1) >= x.shape[-1] else x.contiguous()
+
+
 def require(ok: bool, message: str) -> None:
     """A binding's precondition: what the kernel would otherwise read or write out of bounds. An
     explicit raise, not ``assert``, which ``python -O`` strips."""

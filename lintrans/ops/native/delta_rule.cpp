@@ -1,6 +1,7 @@
 // The chunked delta rule, fused, for the CPU: the algebra of _Chunked in lintrans/ops/delta/chunked.py
-// (read that first: names and steps match), one (batch, head) pair per OpenMP task, its chunks walked
-// in order by one thread, every temporary a chunk's worth and the products as direct BLAS calls.
+// (read that first: names and steps match). Each OpenMP thread takes a contiguous range of (batch,
+// head) pairs and walks each one's chunks in order; every temporary is a chunk's worth and the
+// products are direct BLAS calls.
 //
 // Per chunk of cl tokens (rows gathered into contiguous buffers), with S the state entering it,
 // b the in-chunk cumulative log-decays (double), E_ij = exp(b_i - b_j) (j <= i), Gam_i = exp(b_i),

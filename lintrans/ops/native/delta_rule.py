@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, empty, last_contiguous, ptr, require, strides, takes
+from .binding import I3, P, blas_rows, call, empty, last_contiguous, ptr, require, strides, takes
 
 
 class DeltaArgs(ctypes.Structure):
@@ -74,7 +74,9 @@ def forward(q, k, v, beta, ld, S0, chunk: int, l2: bool, scale: float):
 @torch.compiler.disable
 def backward(q, k, v, beta, ld, u, states, do, dS_end, chunk: int, l2: bool, scale: float):
     """(dq, dk, dv, dbeta, dld or None, dS0), dld [B|1, T, H] as ld."""
-    q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))
+    # the kernel gathers q, k, v row by row but hands do to BLAS in place
+    q, k, v = map(last_contiguous, (q, k, v))
+    do = blas_rows(do.to(q.dtype))
     a = _args(q, k, v, beta, ld, chunk, l2, scale)
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]

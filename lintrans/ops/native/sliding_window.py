@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from .binding import I3, P, call, empty, ptr, require, strides, takes
+from .binding import I3, P, blas_rows, call, empty, ptr, require, strides, takes
 
 # query rows per block: a block's scores (BLOCK x (BLOCK + window - 1)) stay in cache
 BLOCK = 64
@@ -21,12 +21,6 @@ class SlidingWindowArgs(ctypes.Structure):
 def supports(q, k, v) -> bool:
     """Whether the fused kernel can run this call (else the PyTorch blocks do); builds it on first use."""
     return takes(q, k, v)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x, or a contiguous copy where BLAS cannot read its rows in place (unit stride along D, rows
-    of one head at least D apart)."""
-    return x if x.stride(-1) == 1 and x.stride(1) >= x.shape[-1] else x.contiguous()
 
 
 def _args(q, k, v, window: int, scale: float) -> SlidingWindowArgs:
@@ -49,7 +43,7 @@ def _args(q, k, v, window: int, scale: float) -> SlidingWindowArgs:
 @torch.compiler.disable
 def forward(q, k, v, window: int, scale: float):
     """(o [B, T, H, Dv] contiguous, lse [B, H, T], each row's base-2 logsumexp, for backward)."""
-    q, k, v = map(_rows, (q, k, v))
+    q, k, v = map(blas_rows, (q, k, v))
     B, T, H, _ = q.shape
     o = empty((B, T, H, v.shape[-1]), q)
     lse = empty((B, H, T), q)
@@ -62,7 +56,7 @@ def forward(q, k, v, window: int, scale: float):
 @torch.compiler.disable
 def backward(q, k, v, o, lse, do, window: int, scale: float):
     """(dq, dk, dv), contiguous; o and lse from forward."""
-    q, k, v, do = map(_rows, (q, k, v, do.to(q.dtype)))
+    q, k, v, do = map(blas_rows, (q, k, v, do.to(q.dtype)))
     dq, dk, dv = empty(q.shape, q), empty(k.shape, q), empty(v.shape, q)
     a = _args(q, k, v, window, scale)
     B, T, H, _ = q.shape
