@@ -13,6 +13,14 @@ def _umask() -> int:
     return mask
 
 
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it over ``path``."""
     path = Path(path)
@@ -22,7 +30,9 @@ def atomic_write(path, write: Callable[[str], None]) -> None:
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; give the usual permissions
+        _fsync(tmp)  # the bytes on disk before the name points at them, so a crash cannot leave an empty file
         os.replace(tmp, path)
+        _fsync(path.parent)  # and the rename itself
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

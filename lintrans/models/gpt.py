@@ -169,12 +169,22 @@ class GPT(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
+    def position_limit(self) -> Optional[int]:
+        """The longest sequence the model covers: block_size with learned positions, a layer's own limit
+        (AFT-full/local's pairwise bias, cosFormer's max_len), else None (any length)."""
+        limits = [self.config.block_size] if self.config.pos_embedding == "learned" else []
+        limits += [b.attn.max_positions for b in self.transformer.h if getattr(b.attn, "max_positions", None)]
+        return min(limits) if limits else None
+
     def _check_length(self, length: int) -> None:
-        if self.config.pos_embedding == "learned" and length > self.config.block_size:
-            raise ValueError(
-                f"sequence length {length} exceeds block_size {self.config.block_size} "
-                "(learned position embeddings cover positions 0..block_size-1)"
-            )
+        limit = self.position_limit()
+        if limit is None or length <= limit:
+            return
+        if self.config.pos_embedding == "learned" and limit == self.config.block_size:
+            raise ValueError(f"sequence length {length} exceeds block_size {limit} (learned position embeddings "
+                             "cover positions 0..block_size-1)")
+        raise ValueError(f"sequence length {length} exceeds {limit}, the positions attention {self.config.attention!r} "
+                         f"has parameters for (block_size {self.config.block_size}; cosformer: max_len)")
 
     def _check_idx(self, idx, past: int, check_ids: bool = True) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
@@ -315,16 +325,19 @@ class GPT(nn.Module):
     ) -> Iterator[torch.Tensor]:
         """Yield each new token [B, 1] as it is produced (prefill once, then one step per token).
 
-        With learned positions a model has no position past ``block_size - 1``; once the sequence
-        would outgrow it, each next token is predicted from the last ``block_size`` tokens alone
-        (a fresh prefill of that window per token), as nanoGPT's ``generate`` crops its context.
-        Without learned positions (``pos_embedding="none"``) nothing is cropped: recurrent
-        mechanisms keep their constant-size state and softmax its growing cache.
+        With learned positions a model has no position past ``block_size - 1`` (nor has AFT-full/local's
+        pairwise bias, or cosFormer past its ``max_len``: ``position_limit``); once the sequence would
+        outgrow it, each next token is predicted from the last ``block_size`` tokens alone (a fresh
+        prefill of that window per token), as nanoGPT's ``generate`` crops its context. Otherwise
+        nothing is cropped: recurrent mechanisms keep their constant-size state and softmax its
+        growing cache.
         """
         from .generate import check_sampling, sample_next
 
         check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-        window = self.config.block_size if self.config.pos_embedding == "learned" else None
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            self._check_idx(idx, 0)  # its clear error, before idx's device and length are read below
+        window = self.position_limit()
         generator = None
         if seed is not None:
             generator = torch.Generator(device=idx.device).manual_seed(seed)

@@ -164,6 +164,8 @@ def config_from_hf(hf: dict) -> GPTConfig:
             raise ValueError(f"Hugging Face option {flag}=True is not supported")
     if not hf.get("scale_attn_weights", True):
         raise ValueError("Hugging Face option scale_attn_weights=False is not supported")
+    if not hf.get("tie_word_embeddings", True):  # our lm_head is wte: one of the two matrices would be lost
+        raise ValueError("Hugging Face option tie_word_embeddings=False is not supported (the GPT ties lm_head to wte)")
     if not math.isclose(hf.get("layer_norm_epsilon", 1e-5), 1e-5):
         raise ValueError(f"layer_norm_epsilon must be 1e-5, got {hf['layer_norm_epsilon']}")
     return GPTConfig(

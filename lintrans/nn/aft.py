@@ -123,6 +123,7 @@ class AFTFull(_AFT):
     def __init__(self, config):
         super().__init__(config)
         self.pos_bias = self._per_head_bias(config)
+        self.max_positions = config.block_size  # the bias has a row and a column per position
 
 
 @register_attention("aft-local")
@@ -136,6 +137,7 @@ class AFTLocal(_WindowedAFT):
         super().__init__(config)
         self.window = self.opts["window"]
         self.pos_bias = self._per_head_bias(config)
+        self.max_positions = config.block_size
 
 
 @register_attention("aft-conv")

@@ -43,6 +43,9 @@ class QKVAttention(nn.Module):
     """
 
     Options: type = NoOptions
+    # the longest sequence the layer's parameters cover (AFT's pairwise bias, cosFormer's M); None: any.
+    # The GPT refuses longer inputs and generation crops to it, as for learned positions
+    max_positions: Optional[int] = None
 
     def __init__(self, config, qk_dim: Optional[int] = None):
         super().__init__()
@@ -254,6 +257,11 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
     if must_share and not shared_qk:
         raise ValueError(f"feature map {name!r} needs queries and keys to share it: shared_qk must be True")
     kwargs = dict(options)
+    accepted = set(inspect.signature(cls).parameters) - {"head_dim", "self"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(f"attention_options['feature_map_options'] for {name!r} has unknown keys {unknown}; "
+                         f"allowed: {sorted(accepted)}")
     if per_head and "num_heads" in inspect.signature(cls).parameters:
         kwargs.setdefault("num_heads", n_head)
     phi_q = cls(head_dim, **kwargs)
@@ -277,7 +285,7 @@ class LinearOptions:
         "low": 1, "help": "auto: the measured fastest (lintrans tune)"})
     normalize: bool = True
     scale: Optional[float] = field(default=1.0, metadata={"help": "None: 1 / sqrt(qk_dim)"})
-    eps: float = 1e-6
+    eps: float = field(default=1e-6, metadata={"low": 0, "help": "added to the normaliser"})
     qk_dim: Optional[int] = field(default=None, metadata={
         "low": 1, "help": "width of each head's queries and keys, projected from the input as Based does "
                           "(its feature dim 16); None: the head dim. Values keep the head dim"})

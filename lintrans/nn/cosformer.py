@@ -35,6 +35,7 @@ class CosformerAttention(QKVAttention):
         check_number("attention_options['eps']", opts["eps"], low=0)
         check_number("attention_options['chunk_size']", opts["chunk_size"], integer=True, low=1)
         self.eps, self.chunk_size = opts["eps"], opts["chunk_size"]
+        self.max_positions = self.max_len  # the re-weighting's angle reaches pi / 2 at position M
 
     def forward(self, x, cache: Optional[CosformerState] = None, use_cache: bool = False):
         q, k, v = self.qkv(x)

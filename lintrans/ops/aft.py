@@ -150,7 +150,7 @@ def _aft_causal(k, v, logw):
     w_range = lw.amax(-1) - lw.masked_fill(~causal, float("inf")).amin(-1)  # [Hw,T]
     kd = k.detach()
     gap = kd.amax(dim=2, keepdim=True) - torch.cummax(kd, dim=2).values  # [B,H,T,D]
-    if float((gap.amax(-1) + w_range).max()) < UNDERFLOW_GAP[k.dtype]:
+    if k.numel() == 0 or float((gap.amax(-1) + w_range).max()) < UNDERFLOW_GAP[k.dtype]:
         return _aft_dense(k, v, logw.masked_fill(~causal, float("-inf")))
     return _aft_causal_chunked(k, v, logw)
 
@@ -308,7 +308,7 @@ class _SimpleCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, M):
         B, T, H, D = k.shape
-        block = max(1, SIMPLE_BLOCK_ELEMENTS // (B * H * D))
+        block = max(1, SIMPLE_BLOCK_ELEMENTS // max(1, B * H * D))  # an empty batch: any block
         o = torch.empty_like(v)
         totals = k.new_zeros(-(-T // block) + 1, 2, B, 1, H, D)  # (num, den) before each block
         for i, t0 in enumerate(range(0, T, block)):
@@ -370,7 +370,15 @@ def _simple_reference(k) -> Optional[torch.Tensor]:
     [B,T,H,D], or None where that path is not exact: the largest gap M - k_0 (see above)."""
     kd = k.detach()
     M = kd.amax(dim=1, keepdim=True)
-    return M if float((M[:, 0] - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype] else None
+    return M if kd.numel() == 0 or float((M[:, 0] - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype] else None
+
+
+def _check_aft_qkv(q, k, v, layout: str = "[B, T, H, D]") -> tuple:
+    """check_qkv, and one D for k and v: AFT mixes values per channel."""
+    B, T, H, Dk, Dv = check_qkv(q, k, v, layout=layout)
+    if Dk != Dv:
+        raise ValueError(f"AFT mixes values per channel: v must have the same last dimension as k, got {Dk} and {Dv}")
+    return B, T, H, Dk
 
 
 def aft(
@@ -390,9 +398,7 @@ def aft(
     [H, kernel] (odd kernel when not causal). ``simple``: no pos_bias. Memory O(T*D) for simple,
     O(T*T + T*D) for full, the smaller of O(T*T) and O(T*window*D) for local/conv.
     """
-    B, T, H, Dk, Dv = check_qkv(q, k, v)
-    if Dk != Dv:
-        raise ValueError(f"AFT mixes values per channel: v must have the same last dimension as k, got {Dk} and {Dv}")
+    B, T, H, Dk = _check_aft_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     _check_variant_args(variant, pos_bias, window, T, H)
@@ -432,7 +438,7 @@ def aft(
 
 def aft_simple_state(k: torch.Tensor, v: torch.Tensor) -> AFTState:
     """The causal simple state after the tokens k, v [B, T, H, D] (e.g. a prompt), for aft_simple_step."""
-    check_qkv(k, k, v)
+    _check_aft_qkv(k, k, v)
     dtype = compute_dtype(k.dtype)
     k, v = k.to(dtype), v.to(dtype)
     m = k.amax(dim=1)  # [B,H,D]
@@ -448,9 +454,7 @@ def aft_simple_step(
     state = (num, den, m), each [B, H, D] in float32 (float64 for float64 inputs): the running sums of
     exp(k - m) v and exp(k - m), m the running max of k. Constant size whatever the length.
     """
-    B, _, H, Dk, Dv = check_qkv(q, k, v, layout="[B, H, D]")
-    if Dk != Dv:
-        raise ValueError(f"AFT mixes values per channel: v must have the same last dimension as k, got {Dk} and {Dv}")
+    B, _, H, Dk = _check_aft_qkv(q, k, v, layout="[B, H, D]")
     dtype = compute_dtype(q.dtype)
     kd, vd = k.to(dtype), v.to(dtype)
     if state is None:
@@ -496,7 +500,7 @@ def _band_width(variant: str, pos_bias, window) -> int:
 
 def aft_window_state(k: torch.Tensor, v: torch.Tensor, *, variant: str, pos_bias, window=None) -> AFTWindowState:
     """The causal AFT-local/conv decoding state after the tokens k, v [B, T, H, D] (e.g. a prompt)."""
-    B, T, H, D, _ = check_qkv(k, k, v)
+    B, T, H, D = _check_aft_qkv(k, k, v)
     W = _band_width(variant, pos_bias, window)
     check_positive_int("window", W)
     dtype = compute_dtype(k.dtype)
@@ -561,7 +565,7 @@ def aft_last_row(
     q [B, H, D] is the query at position L - 1; k, v [B, L, H, D] are all keys and values so far.
     O(L*D) per token (AFT-full's bias row depends on the position, so it needs the whole history).
     """
-    B, L, H, Dk, Dv = check_qkv(k, k, v)
+    B, L, H, Dk = _check_aft_qkv(k, k, v)
     check_tensor("q", q, 3, "[B, H, D]")
     if q.shape != (B, H, Dk):
         raise ValueError(f"q must have shape [B, H, D] = {[B, H, Dk]}, got {tuple(q.shape)}")

@@ -112,7 +112,7 @@ def _plan(B: int, T: int, H: int, window: int, scale: float, dtype: torch.dtype)
     C = min(SW_BLOCK, T)
     n = -(-T // C)
     m = min(-(-(window - 1) // C), n - 1)
-    G = max(m, 1, min(n, SW_GROUP_TOKEN_HEADS // (B * H * C)))
+    G = max(m, 1, min(n, SW_GROUP_TOKEN_HEADS // max(1, B * H * C)))  # B * H = 0: an empty batch
     return _Plan(window, scale, C, m, G, dtype)
 
 
@@ -279,8 +279,8 @@ class _SlidingWindowCausal(torch.autograd.Function):
             # the group's own key blocks are complete: the later groups' windows were added before
             r0, r1 = m * C, m * C + e - t0
             dq[:, t0:e] = dqb[:, :, : e - t0].transpose(1, 2).mul_(p.scale)
-            dk[:, t0:e] = dkb.view(B, H, -1, Dk)[:, :, r0:r1].transpose(1, 2).mul_(1 / LOG2E)
-            dv[:, t0:e] = dvb.view(B, H, -1, Dv)[:, :, r0:r1].transpose(1, 2)
+            dk[:, t0:e] = dkb.view(B, H, (G + m) * C, Dk)[:, :, r0:r1].transpose(1, 2).mul_(1 / LOG2E)
+            dv[:, t0:e] = dvb.view(B, H, (G + m) * C, Dv)[:, :, r0:r1].transpose(1, 2)
             if i + 1 < len(starts):  # the earlier group's last m blocks are this one's first m
                 carry_k, carry_v = dkb[:, :m].clone(), dvb[:, :m].clone()
                 dkb.zero_()

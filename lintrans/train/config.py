@@ -19,6 +19,7 @@ from .precision import PRECISIONS
 from .tokenizer import TOKENIZERS
 
 SCHEDULES = ("cosine", "linear", "constant")
+BIN_DTYPES = ("uint16", "uint32")  # numpy's names; data.py maps them (this module loads without numpy's cost)
 RESUME_MODES = ("auto", "never", "must")
 PARALLEL = ("ddp", "fsdp")
 
@@ -36,7 +37,7 @@ class DataConfig:
     tokenizer: str = _key("gpt2", "how text becomes tokens", choices=TOKENIZERS)
     val_fraction: float = _key(0.05, "share of the corpus held out for evaluation", low=0, high=1, low_open=True,
                                high_open=True)
-    bin_dtype: str = _key("uint16", "dtype of nanoGPT .bin token files")
+    bin_dtype: str = _key("uint16", "dtype of nanoGPT .bin token files", choices=BIN_DTYPES)
     hf_split: str = _key("train", "split of an hf: dataset")
     hf_text_column: str = _key("text", "column of an hf: dataset that holds the text")
     cache_dir: Optional[str] = _key(None, "where tokenized corpora are kept (default: $LINTRANS_CACHE_DIR/data or "
@@ -47,13 +48,13 @@ class DataConfig:
 class OptimConfig:
     lr: float = _key(6e-4, "peak learning rate (AdamW)", low=0, low_open=True)
     min_lr: float = _key(6e-5, "learning rate at the end of the decay, <= lr", low=0)
-    warmup_steps: int = _key(100, "steps of linear warm-up from 0 to lr", low=0)
+    warmup_steps: int = _key(100, "steps of linear warm-up to lr (step s at lr * (s + 1) / warmup_steps)", low=0)
     decay_steps: Optional[int] = _key(None, "steps from 0 to the end of the decay (default: train.max_steps)", low=1)
     schedule: str = _key("cosine", "decay after the warm-up", choices=SCHEDULES)
     weight_decay: float = _key(0.1, "AdamW weight decay, applied to matrices (>= 2-D parameters) only", low=0)
-    beta1: float = _key(0.9, "AdamW beta1")
-    beta2: float = _key(0.95, "AdamW beta2")
-    eps: float = _key(1e-8, "AdamW eps")
+    beta1: float = _key(0.9, "AdamW beta1", low=0, high=1, high_open=True)
+    beta2: float = _key(0.95, "AdamW beta2", low=0, high=1, high_open=True)
+    eps: float = _key(1e-8, "AdamW eps", low=0, low_open=True)
     grad_clip: float = _key(1.0, "largest global gradient norm; 0 disables clipping", low=0)
 
 
@@ -72,7 +73,7 @@ class TrainSection:
     eval_interval: int = _key(100, "steps between evaluations on the held-out text", low=1)
     eval_batches: int = _key(10, "batches per evaluation", low=1)
     checkpoint_interval: int = _key(200, "steps between checkpoints", low=1)
-    seed: int = _key(1337, "seed of the initial weights, the batches and dropout")
+    seed: int = _key(1337, "seed of the initial weights, the batches and dropout", low=0, high=2**63 - 1)
     device: str = _key("auto", "auto, cpu, cuda, cuda:N or mps")
     precision: str = _key("auto", "auto is bf16 autocast on GPUs that support it, fp32 elsewhere", choices=PRECISIONS)
     compile: bool = _key(False, "torch.compile the model")
@@ -117,6 +118,13 @@ class TrainConfig:
             raise ValueError("set train.batch_size or train.tokens_per_update")
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"config key 'optim.min_lr' ({self.optim.min_lr}) must be <= optim.lr ({self.optim.lr})")
+        o = self.optim
+        if o.schedule != "constant" and o.decay_steps is not None and o.decay_steps <= o.warmup_steps:
+            raise ValueError(f"config key 'optim.decay_steps' ({o.decay_steps}) must be > optim.warmup_steps "
+                             f"({o.warmup_steps}): the decay runs from the end of the warm-up to decay_steps")
+        if self.train.precision == "fp16" and self.train.device in ("cpu", "mps"):
+            raise ValueError(f"config key 'train.precision' 'fp16' needs a CUDA device (gradient scaling); "
+                             f"train.device is {self.train.device!r}")
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
         check_attention(gpt)
         if self.train.context_parallel > 1:

@@ -29,10 +29,11 @@ import torch
 from lintrans._platform import cache_dir
 from lintrans.checks import check_choice, check_number
 
+from .config import BIN_DTYPES as BIN_DTYPE_NAMES
 from .tokenizer import GPT2_RANKS_SHA256
 
 CACHE_FORMAT = 1
-BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+BIN_DTYPES = {name: np.dtype(name).type for name in BIN_DTYPE_NAMES}
 
 
 def default_cache_dir() -> Path:
@@ -156,6 +157,9 @@ def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "tra
 
 def _load_hf(source: TextSource):
     """The cached Hugging Face dataset, loaded strictly offline (no download at run time)."""
+    # before the import: datasets and huggingface_hub read these once, when they load
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
@@ -166,8 +170,6 @@ def _load_hf(source: TextSource):
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[source.hf_split]
     else:
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             ds = datasets.load_dataset(name, config, split=source.hf_split)
         except Exception as e:  # datasets raises many types; all mean "not usable offline"
@@ -345,7 +347,7 @@ def batch_layout(tokens_per_update: int | None, batch_size: int | None, micro_ba
     if tokens_per_update is not None:
         if tokens_per_update % block_size:
             raise ValueError(
-                f"train.tokens_per_update ({tokens_per_update}) must be a multiple of block_size ({block_size})"
+                f"train.tokens_per_update ({tokens_per_update}) must be a multiple of model.block_size ({block_size})"
             )
         total = tokens_per_update // block_size
     elif batch_size is not None:
@@ -353,12 +355,13 @@ def batch_layout(tokens_per_update: int | None, batch_size: int | None, micro_ba
     else:
         raise ValueError("set train.batch_size or train.tokens_per_update")
     if total % world_size:
-        raise ValueError(f"the global batch of {total} sequences must divide evenly over {world_size} processes")
+        raise ValueError(f"the global batch of {total} sequences must divide evenly over {world_size} data-parallel "
+                         "processes")
     per_rank = total // world_size
     micro = per_rank if micro_batch_size is None else min(micro_batch_size, per_rank)
     if per_rank % micro:
         raise ValueError(
             f"train.micro_batch_size ({micro}) must divide the per-process batch ({per_rank} sequences = "
-            f"{total} global / {world_size} processes)"
+            f"{total} global / {world_size} data-parallel processes)"
         )
     return total, micro, per_rank // micro

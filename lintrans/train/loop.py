@@ -13,6 +13,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from lintrans._io import atomic_write_text
+
 from . import checkpoint as ckpt
 from .config import TrainConfig, padded_vocab, write_resolved
 from .data import TokenData, WindowSampler, batch_layout, get_batch, prepare_data, resolve_source
@@ -70,15 +72,33 @@ class MetricsLog:
 
     COLUMNS = ("step", "tokens", "lr", "loss", "grad_norm", "val_loss", "time_s")
 
-    def __init__(self, out_dir: Path, start_step: int):
+    def __init__(self, out_dir: Path, start_step: int, say=print):
         self.jsonl, self.csv = out_dir / "metrics.jsonl", out_dir / "metrics.csv"
         rows = []
         if self.jsonl.is_file() and start_step > 0:
-            rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+            rows = self._read(self.jsonl, say)
             rows = [r for r in rows if r["step"] <= start_step]
         self.rows = rows
-        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        self.csv.write_text(",".join(self.COLUMNS) + "\n" + "".join(self._csv_line(r) for r in rows))
+        # rewritten atomically: a kill here keeps the old history rather than half of it
+        atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(self.csv, ",".join(self.COLUMNS) + "\n" + "".join(self._csv_line(r) for r in rows))
+
+    @staticmethod
+    def _read(path: Path, say) -> list:
+        """The rows of metrics.jsonl; a line a crash cut short (the last one, appended when the process
+        died) is left out with a note, not a failed resume."""
+        rows, bad = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:
+                row = None
+                bad += 1
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+        if bad:
+            say(f"resume: left out {bad} unreadable line(s) of {path} (cut short by a crash?)")
+        return rows
 
     def _csv_line(self, row: dict) -> str:
         return ",".join("" if row.get(c) is None else f"{row[c]:.6g}" if isinstance(row[c], float) else str(row[c])
@@ -154,11 +174,33 @@ def _check_resume(path: Path, saved: dict, cfg: TrainConfig, gpt_dict: dict) -> 
     old_data = saved["train_config"].get("data", {})
     diffs += [f"data.{k}: {old_data.get(k)!r} in checkpoint, {getattr(cfg.data, k)!r} now"
               for k in ("source", "tokenizer", "val_fraction", "bin_dtype") if old_data.get(k) != getattr(cfg.data, k)]
+    if cfg.data.source.startswith("hf:"):  # which split and column are the text (keys older checkpoints lack)
+        diffs += [f"data.{k}: {old_data[k]!r} in checkpoint, {getattr(cfg.data, k)!r} now"
+                  for k in ("hf_split", "hf_text_column") if k in old_data and old_data[k] != getattr(cfg.data, k)]
     if diffs:
         raise ValueError(
             f"checkpoint {path} does not match this config ({'; '.join(diffs)}); use a new train.out_dir "
             "or set train.resume=never with a new out_dir"
         )
+
+
+# keys a resumed run may change on purpose (a longer run, another schedule), but never silently
+RESUME_NOTED = {"optim": ("lr", "min_lr", "warmup_steps", "decay_steps", "schedule"),
+                "train": ("max_steps", "batch_size", "tokens_per_update", "micro_batch_size", "seed")}
+
+
+def _resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """What the config changes against the checkpoint's in the keys of RESUME_NOTED: the learning-rate
+    schedule follows the new keys from the resumed step on, a new batch draws another number of windows
+    per update, and a new seed picks other evaluation windows (the training stream's state is restored)."""
+    lines = []
+    for section, keys in RESUME_NOTED.items():
+        old = saved["train_config"].get(section, {})
+        for k in keys:
+            new = getattr(getattr(cfg, section), k)
+            if k in old and old[k] != new:
+                lines.append(f"resume: {section}.{k} changed from {old[k]!r} in the checkpoint to {new!r}; using {new!r}")
+    return lines
 
 
 def _apply_optim_config(optimizer: torch.optim.AdamW, cfg: TrainConfig) -> list[str]:
@@ -328,7 +370,7 @@ class _Run:
             ckpt.load_optimizer(self.found, self.optimizer, load=(
                 (lambda state: load_sharded_optimizer(self.model, self.optimizer, state))
                 if is_sharded(self.model) else None))
-            for line in _apply_optim_config(self.optimizer, cfg):
+            for line in _resume_changes(self.saved, cfg) + _apply_optim_config(self.optimizer, cfg):
                 self.say(line)
             st = self.saved["trainer_state"]
             self.step, self.tokens, self.elapsed = st["step"], st["tokens"], st.get("time_s", 0.0)
@@ -354,7 +396,7 @@ class _Run:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         write_resolved(cfg, g, self.out_dir / "config.yaml")
-        self.log = MetricsLog(self.out_dir, self.step)
+        self.log = MetricsLog(self.out_dir, self.step, self.say)
         self.say(f"model: {g.attention} attention, {self.model.get_num_params() / 1e6:.2f}M parameters "
                  f"(without position embeddings), {g.n_layer} layers, block_size {self.block}")
         self.say(f"data: {self.data.meta['source']}: {len(self.data.train):,} train / {len(self.data.val):,} val "

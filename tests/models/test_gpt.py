@@ -222,3 +222,31 @@ def test_context_parallel_is_refused_by_softmax():
     with pytest.raises(ValueError, match="attention 'softmax' cannot split a sequence over processes.*'linear'"):
         model.set_context_parallel(object())  # refused before the group is looked at
     assert model.context_parallel is None
+
+
+@pytest.mark.parametrize("attention, options", [("aft-full", {}), ("aft-local", {"window": 4}),
+                                                ("cosformer", {"max_len": 40})])
+def test_layers_with_a_position_limit(attention, options):
+    """AFT-full/local's pairwise bias has block_size positions and cosFormer's re-weighting max_len: a
+    longer input gets a clear error naming them (not one from inside the op), and generation crops
+    to the limit as it does for learned positions."""
+    torch.manual_seed(0)
+    model = GPT(tiny(attention=attention, attention_options=options, pos_embedding="none")).eval()
+    limit = options.get("max_len", 32)
+    assert model.position_limit() == limit
+    with pytest.raises(ValueError, match=f"exceeds {limit}, the positions attention '{attention}'"):
+        model(torch.zeros(1, limit + 1, dtype=torch.long))
+    out = model.generate(torch.randint(0, 61, (2, 5)), limit + 6, temperature=0.0)
+    assert out.shape == (2, limit + 11)
+    # past the limit each token comes from the last `limit` tokens alone, as a fresh forward gives
+    logits, _ = model(out[:, -limit - 1 : -1])
+    assert torch.equal(logits[:, -1].argmax(-1), out[:, -1])
+    assert GPT(tiny(attention="aft-simple", pos_embedding="none")).position_limit() is None
+
+
+def test_generate_checks_idx_first():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match=r"shape \[B, T\]"):
+        model.generate(torch.zeros(3, dtype=torch.long), 2)
+    with pytest.raises(TypeError, match="idx must be an int64"):
+        model.generate([[1, 2]], 2)

@@ -87,6 +87,15 @@ def test_save_hf_round_trips_and_transformers_reads_it(tmp_path, safe):
     assert (hf_logits(theirs, idx) - ours_logits(ours, idx)).abs().max() <= 1e-4
 
 
+def test_untied_embeddings_are_refused(tmp_path):
+    """Our lm_head is wte: loading a GPT-2 with its own lm_head matrix would keep one of the two."""
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, n_positions=8, vocab_size=11, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tie_word_embeddings=False is not supported"):
+        from_pretrained(tmp_path)
+
+
 def test_save_hf_refuses_what_gpt2_cannot_express(tmp_path):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11, attention="linear"))
     with pytest.raises(ValueError, match="cannot express attention='linear'.*save_model"):

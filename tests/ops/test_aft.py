@@ -307,6 +307,12 @@ def test_bad_shapes_and_state():
     q, k, v = inputs(1, 6, 2, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match="same last dimension"):
         aft(q, k, v[..., :3], variant="simple")
+    # the decoding helpers too: with Dv = 1 they would broadcast silently
+    for make in (lambda: aft_simple_state(k, v[..., :1]),
+                 lambda: aft_window_state(k, v[..., :1], variant="local", pos_bias=torch.zeros(6, 6), window=2),
+                 lambda: aft_last_row(q[:, -1], k, v[..., :1], variant="simple")):
+        with pytest.raises(ValueError, match="same last dimension"):
+            make()
     with pytest.raises(ValueError, match="state num must be"):
         aft_simple_step(q[:, 0], k[:, 0], v[:, 0], (torch.zeros(1, 2, 3),) * 3)
     with pytest.raises(TypeError, match="triple"):

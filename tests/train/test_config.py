@@ -55,10 +55,24 @@ def test_overrides_are_typed(tmp_path):
     ("train.parallel=zero3", ValueError, r"'train.parallel' must be one of \['ddp', 'fsdp'\]"),
     ("train.context_parallel=0", ValueError, "'train.context_parallel' must be an int >= 1, got 0"),
     ("model.n_layer.x=1", ValueError, "not a table"),
+    # values AdamW, numpy's seeding or the .bin reader would reject only after the data is read
+    ("optim.beta1=2", ValueError, "'optim.beta1' must be"),
+    ("optim.beta2=-0.1", ValueError, "'optim.beta2' must be"),
+    ("optim.eps=0", ValueError, "'optim.eps' must be"),
+    ("train.seed=-1", ValueError, "'train.seed' must be"),
+    ("data.bin_dtype=int8", ValueError, "'data.bin_dtype' must be one of"),
+    ("optim.decay_steps=50", ValueError, "'optim.decay_steps' .* must be > optim.warmup_steps"),
 ])
 def test_bad_overrides(override, error, match):
     with pytest.raises(error, match=match):
         load_config(None, [override])
+
+
+def test_fp16_refused_on_a_cpu_before_any_data():
+    with pytest.raises(ValueError, match="'train.precision' 'fp16' needs a CUDA device"):
+        load_config(None, ["train.precision=fp16", "train.device=cpu"])
+    # a constant schedule has no decay, so decay_steps does not matter there
+    assert load_config(None, ["optim.schedule=constant", "optim.decay_steps=50"]).optim.decay_steps == 50
 
 
 def test_bad_file_values(tmp_path):

@@ -245,6 +245,27 @@ def test_resume_applies_changed_optimizer_settings_and_says_so(tiny_config, caps
     assert state[0]["weight_decay"] == 0.3 and state[1]["weight_decay"] == 0.0 and list(state[0]["betas"]) == [0.9, 0.9]
 
 
+def test_resume_says_what_changes_the_schedule_or_the_batches(tiny_config, capsys):
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    capsys.readouterr()
+    train(tiny_config(**{"train.stop_after_steps": 1, "optim.lr": 2e-3, "train.max_steps": 50}))
+    err = capsys.readouterr().err
+    assert "resume: optim.lr changed from 0.003 in the checkpoint to 0.002" in err
+    assert "resume: train.max_steps changed from" in err
+
+
+def test_resume_survives_a_metrics_line_cut_short(tiny_config, capsys):
+    """A crash mid-append leaves a torn last line in metrics.jsonl: resume leaves it out and says so."""
+    first = train(tiny_config(**{"train.stop_after_steps": 2}))
+    with open(first.out_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.')
+    capsys.readouterr()
+    result = train(tiny_config(**{"train.stop_after_steps": 1}))
+    assert "left out 1 unreadable line(s)" in capsys.readouterr().err
+    rows = [json.loads(line) for line in open(result.out_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
 def test_abandoned_save_folders_are_removed_at_the_next_start(tiny_config, capsys):
     first = train(tiny_config(**{"train.stop_after_steps": 1}))
     junk = first.out_dir / ".checkpoint.tmp-abc123"

@@ -38,7 +38,7 @@ def chunks_per_block(device: torch.device, heads: int, chunk: int, n: int) -> in
     accelerator's caching allocator reuses memory, and it wants few, large kernels)."""
     if device.type != "cpu":
         return max(n, 1)
-    return max(1, BLOCK_TOKEN_HEADS // (heads * chunk))
+    return max(1, BLOCK_TOKEN_HEADS // max(1, heads * chunk))  # heads = 0: an empty batch
 
 
 def _blocks(T: int, chunk: int, block: int) -> list:
