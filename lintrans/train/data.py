@@ -251,6 +251,8 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
                 n_docs += len(batch)
                 bar.update(len(batch))
                 bar.set_postfix(tokens=n_tokens)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the folder's rename makes it the cache entry
         if n_tokens == n_docs:  # only end-of-text markers: every document was empty
             raise ValueError(f"data.source {source.spec!r} holds no text")
         meta = {"source": source.spec, "tokenizer": tokenizer.name, "dtype": dtype.name,

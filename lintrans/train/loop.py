@@ -377,6 +377,9 @@ class _Run:
             self.sampler.load_state_dict(st["sampler"])
             if len(st["rng"]) == info.world_size:
                 ckpt.set_rng_state(st["rng"][info.rank])
+            else:
+                self.say(f"resume: the checkpoint has random states for {len(st['rng'])} process(es), this run "
+                         f"has {info.world_size}: its random streams (dropout) start afresh")
             if st.get("scaler"):
                 self.scaler.load_state_dict(st["scaler"])
             self.say(f"resuming from {self.found} at step {self.step}")
