@@ -17,8 +17,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="default: the one a lintrans checkpoint records, else bytes for a 257-token "
                         "vocabulary, else gpt2")
     parser.add_argument("--max-new-tokens", type=int, default=200,
-                        help="may exceed the block size: with learned positions the context is then cropped "
-                             "to the last block_size tokens, as nanoGPT does")
+                        help="may exceed the block size: with learned positions (or AFT-full/local, cosFormer) "
+                             "the context is then cropped to the last block_size (max_len) tokens, as nanoGPT does")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by ---")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
