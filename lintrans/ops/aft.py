@@ -373,12 +373,11 @@ def _simple_reference(k) -> Optional[torch.Tensor]:
     return M if kd.numel() == 0 or float((M[:, 0] - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype] else None
 
 
-def _check_aft_qkv(q, k, v, layout: str = "[B, T, H, D]") -> tuple:
-    """check_qkv, and one D for k and v: AFT mixes values per channel."""
-    B, T, H, Dk, Dv = check_qkv(q, k, v, layout=layout)
+def _check_one_d(Dk: int, Dv: int) -> None:
+    """AFT mixes values per channel: k and v share D. (Beside check_qkv, not around it: its head-first
+    warning counts the frames to the user's call.)"""
     if Dk != Dv:
         raise ValueError(f"AFT mixes values per channel: v must have the same last dimension as k, got {Dk} and {Dv}")
-    return B, T, H, Dk
 
 
 def aft(
@@ -398,7 +397,8 @@ def aft(
     [H, kernel] (odd kernel when not causal). ``simple``: no pos_bias. Memory O(T*D) for simple,
     O(T*T + T*D) for full, the smaller of O(T*T) and O(T*window*D) for local/conv.
     """
-    B, T, H, Dk = _check_aft_qkv(q, k, v)
+    B, T, H, Dk, Dv = check_qkv(q, k, v)
+    _check_one_d(Dk, Dv)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     _check_variant_args(variant, pos_bias, window, T, H)
@@ -438,7 +438,7 @@ def aft(
 
 def aft_simple_state(k: torch.Tensor, v: torch.Tensor) -> AFTState:
     """The causal simple state after the tokens k, v [B, T, H, D] (e.g. a prompt), for aft_simple_step."""
-    _check_aft_qkv(k, k, v)
+    _check_one_d(*check_qkv(k, k, v)[3:])
     dtype = compute_dtype(k.dtype)
     k, v = k.to(dtype), v.to(dtype)
     m = k.amax(dim=1)  # [B,H,D]
@@ -454,7 +454,8 @@ def aft_simple_step(
     state = (num, den, m), each [B, H, D] in float32 (float64 for float64 inputs): the running sums of
     exp(k - m) v and exp(k - m), m the running max of k. Constant size whatever the length.
     """
-    B, _, H, Dk = _check_aft_qkv(q, k, v, layout="[B, H, D]")
+    B, _, H, Dk, Dv = check_qkv(q, k, v, layout="[B, H, D]")
+    _check_one_d(Dk, Dv)
     dtype = compute_dtype(q.dtype)
     kd, vd = k.to(dtype), v.to(dtype)
     if state is None:
@@ -500,7 +501,8 @@ def _band_width(variant: str, pos_bias, window) -> int:
 
 def aft_window_state(k: torch.Tensor, v: torch.Tensor, *, variant: str, pos_bias, window=None) -> AFTWindowState:
     """The causal AFT-local/conv decoding state after the tokens k, v [B, T, H, D] (e.g. a prompt)."""
-    B, T, H, D = _check_aft_qkv(k, k, v)
+    B, T, H, D, Dv = check_qkv(k, k, v)
+    _check_one_d(D, Dv)
     W = _band_width(variant, pos_bias, window)
     check_positive_int("window", W)
     dtype = compute_dtype(k.dtype)
@@ -565,7 +567,8 @@ def aft_last_row(
     q [B, H, D] is the query at position L - 1; k, v [B, L, H, D] are all keys and values so far.
     O(L*D) per token (AFT-full's bias row depends on the position, so it needs the whole history).
     """
-    B, L, H, Dk = _check_aft_qkv(k, k, v)
+    B, L, H, Dk, Dv = check_qkv(k, k, v)
+    _check_one_d(Dk, Dv)
     check_tensor("q", q, 3, "[B, H, D]")
     if q.shape != (B, H, Dk):
         raise ValueError(f"q must have shape [B, H, D] = {[B, H, Dk]}, got {tuple(q.shape)}")

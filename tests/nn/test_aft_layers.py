@@ -159,5 +159,5 @@ def test_bad_options(attention, opts, err, match):
 
 def test_aft_full_beyond_its_bias_is_a_clear_error():
     model = GPT(config(attention="aft-full", pos_embedding="none", block_size=8))
-    with pytest.raises(ValueError, match="T_max >= T=9"):
+    with pytest.raises(ValueError, match="sequence length 9 exceeds 8, the positions attention 'aft-full'"):
         model(torch.zeros(1, 9, dtype=torch.long))
