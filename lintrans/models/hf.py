@@ -70,12 +70,14 @@ def load_state_dict_checked(model: GPT, state: dict, allow_missing: Iterable[str
     return model
 
 
+def _attention_only(key: str) -> bool:
+    """A parameter of an attention layer beyond the c_attn / c_proj every mechanism shares."""
+    return ".attn." in key and not any(p in key for p in (".attn.c_attn.", ".attn.c_proj."))
+
+
 def _new_attention_keys(model: GPT) -> list[str]:
     """Parameters a swapped-in attention layer adds beyond the shared c_attn / c_proj."""
-    return [
-        k for k in model.state_dict()
-        if ".attn." in k and not any(p in k for p in (".attn.c_attn.", ".attn.c_proj."))
-    ]
+    return [k for k in model.state_dict() if _attention_only(k)]
 
 
 class AttentionSwapWarning(UserWarning):
@@ -86,7 +88,8 @@ class AttentionSwapWarning(UserWarning):
         self.trained_with = trained_with
 
 
-def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: str = "softmax") -> GPT:
+def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: str = "softmax",
+           pretrained_options: Optional[dict] = None) -> GPT:
     model = GPT(config)
     swapped = config.attention != pretrained_attention
     if swapped:
@@ -94,7 +97,16 @@ def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: st
             f"{source} was trained with {pretrained_attention!r} attention and is loaded with "
             f"{config.attention!r}: its weights were not trained for it, so expect a worse model until "
             "it is fine-tuned (train.init_from)", pretrained_attention), stacklevel=3)
-    allow = _new_attention_keys(model) if swapped else ()
+    changed = swapped or (pretrained_options is not None and pretrained_options != config.attention_options)
+    if changed:  # the old attention's own parameters (a gate, feature-map modules) have no place in the new one
+        keep = model.state_dict()
+        dropped = sorted(k for k in state if k not in keep and _attention_only(k))
+        if dropped:
+            now = repr(config.attention) + (f" with {config.attention_options}" if config.attention_options else "")
+            warnings.warn(f"{source}: {len(dropped)} parameter(s) of the attention it was trained with are not "
+                          f"used by {now} and are left out, e.g. {dropped[:2]}", UserWarning, stacklevel=3)
+            state = {k: v for k, v in state.items() if k not in dropped}
+    allow = _new_attention_keys(model) if changed else ()
     return load_state_dict_checked(model, state, allow, source)
 
 
@@ -333,9 +345,10 @@ def load_model(path, **overrides) -> GPT:
         config = GPTConfig.from_dict(inner)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
-    saved_attention = config.attention
+    saved_attention, saved_options = config.attention, config.attention_options
     config = _apply_overrides(config, overrides)
-    return _build(config, _read_tensors(_weights_file(path)), f"lintrans checkpoint {path}", saved_attention)
+    return _build(config, _read_tensors(_weights_file(path)), f"lintrans checkpoint {path}", saved_attention,
+                  saved_options)
 
 
 # -- the local Hugging Face cache ----------------------------------------------------------

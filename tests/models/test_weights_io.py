@@ -87,6 +87,21 @@ def test_save_hf_round_trips_and_transformers_reads_it(tmp_path, safe):
     assert (hf_logits(theirs, idx) - ours_logits(ours, idx)).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("saved, load", [
+    (dict(attention="gated-linear"), dict(attention="softmax")),
+    (dict(attention="linear", attention_options={"feature_map": "hedgehog"}),
+     dict(attention_options={"feature_map": "elu"})),
+])
+def test_a_swap_leaves_out_the_old_attention_own_parameters(tmp_path, saved, load):
+    """A gate or feature-map modules have no place in the new attention: left out with a warning, every
+    shared weight loaded."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11, **saved))
+    save_model(model, tmp_path)
+    with pytest.warns(UserWarning, match=r"2 parameter\(s\) of the attention it was trained with are not used"):
+        again = from_pretrained(tmp_path, **load)
+    assert torch.equal(again.transformer.h[0].attn.c_attn.weight, model.transformer.h[0].attn.c_attn.weight)
+
+
 def test_untied_embeddings_are_refused(tmp_path):
     """Our lm_head is wte: loading a GPT-2 with its own lm_head matrix would keep one of the two."""
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
