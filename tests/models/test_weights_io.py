@@ -87,6 +87,7 @@ def test_save_hf_round_trips_and_transformers_reads_it(tmp_path, safe):
     assert (hf_logits(theirs, idx) - ours_logits(ours, idx)).abs().max() <= 1e-4
 
 
+@pytest.mark.filterwarnings("ignore::lintrans.models.hf.AttentionSwapWarning")  # tested on its own elsewhere
 @pytest.mark.parametrize("saved, load", [
     (dict(attention="gated-linear"), dict(attention="softmax")),
     (dict(attention="linear", attention_options={"feature_map": "hedgehog"}),
