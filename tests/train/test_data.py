@@ -133,9 +133,9 @@ def test_batch_layout_keeps_tokens_per_update_constant():
         assert total * block == 4096 and micro * accum * 2 == total
     assert D.batch_layout(None, 12, None, 64, 1) == (12, 12, 1)
     assert D.batch_layout(None, 12, 4, 64, 1) == (12, 4, 3)
-    with pytest.raises(ValueError, match="multiple of block_size"):
+    with pytest.raises(ValueError, match="multiple of model.block_size"):
         D.batch_layout(1000, None, None, 64, 1)
-    with pytest.raises(ValueError, match="evenly over 2"):
+    with pytest.raises(ValueError, match="evenly over 2 data-parallel"):
         D.batch_layout(None, 3, None, 64, 2)
     with pytest.raises(ValueError, match="micro_batch_size"):
         D.batch_layout(None, 12, 5, 64, 1)
