@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    args.argv = list(argv)  # for records that name the command that made them
     return int(_load(args.command).run(args) or 0)
 
 

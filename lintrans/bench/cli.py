@@ -140,7 +140,8 @@ class Progress:
         self.bar.close()
 
 
-def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Optional[Path] = None) -> dict:
+def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Optional[Path] = None,
+                  command: Optional[str] = None, settings: Optional[dict] = None) -> dict:
     """Run one benchmark; print its table; write results when ``out``. Returns {'rows', 'headline', ...}."""
     from .machine import machine_info
     from .plots import plot_sweep
@@ -227,12 +228,14 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         from .machine import matmul_probe
 
         info = {**machine_info(device), **matmul_probe(device=device)}  # the speed it ran at, just after
-        meta = {"benchmark": which, "title": title, "machine": info, "caps": prof.caps.__dict__,
+        meta = {"benchmark": which, "title": title, "command": command, "settings": settings,
+                "machine": info, "caps": prof.caps.__dict__,
                 "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": _load_average(),
                 "headline": result["headline"], "speedups": speedups,
                 "memory_method": "peak RSS rise during one step (VmHWM after clear_refs; malloc mmap threshold 128 KiB)"}
         paths = write_results(out, which, rows, meta)
-        sub = (f"{info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}, "
+        features = f" ({info['cpu_features']})" if info.get("cpu_features") else ""
+        sub = (f"{info['cpu']}{features}, {info['torch_threads']} threads, torch {info['torch']}, "
                f"matmul {info['matmul_gflops_median']:.0f} GFLOP/s at the end")
         # generation: what decoding keeps (KV cache vs state) says more than the prefill's peak
         second = ("cache_bytes", "cache (MiB)") if which == "generate" else ("peak_bytes", "peak memory (MiB)")
@@ -342,6 +345,10 @@ def run(args) -> int:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     out = Path(opts.out) if opts.out is not None else None
+    import dataclasses
+    import shlex
+
+    command = shlex.join(["lintrans", *getattr(args, "argv", sys.argv[1:])])  # the record says what made it
     for which in BENCHMARKS if args.which == "all" else (args.which,):
-        run_benchmark(which, prof, device=opts.device, out=out)
+        run_benchmark(which, prof, device=opts.device, out=out, command=command, settings=dataclasses.asdict(opts))
     return 0

@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from lintrans.checks import check_positive_int
+from lintrans.checks import check_choice, check_positive_int
 
 from .cost import (
     ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, op_training_flops,
@@ -77,6 +77,9 @@ def _check(args) -> None:
         raise ValueError(f"--n-kv-head must divide --n-head ({args.n_head}), got {args.n_kv_head}")
     for T in args.T:
         check_positive_int("every --T", T)
+    from lintrans.ops.linear.forms import FORMS  # torch: the cost columns import the layers anyway
+
+    check_choice("--form", args.form, list(FORMS))
     for flag in ("step_time", "linear_step_time", "op_time"):
         times = getattr(args, flag)
         if times is None:
@@ -137,12 +140,12 @@ def run(args) -> int:
     print(f"linear ({args.form}) attention FLOPs overtake the rest at T = {cross_l if cross_l else 'never (linear in T)'}")
     if args.step_time or args.linear_step_time:
         if args.peak_tflops:
-            peak = args.peak_tflops * 1e12
+            peak, how = args.peak_tflops * 1e12, "passed in"
         else:
             from .machine import matmul_peak_flops
 
-            peak = matmul_peak_flops()
-        print(f"\nmatmul peak (float32, measured): {_g(peak)}FLOP/s")
+            peak, how = matmul_peak_flops(), "measured"
+        print(f"\nmatmul peak (float32, {how}): {_g(peak)}FLOP/s")
         for name, shape, times in (("softmax", soft, args.step_time), ("linear", lin, args.linear_step_time)):
             for T, t in zip(args.T, times or []):
                 tf = training_flops(shape, T, B)

@@ -15,6 +15,7 @@ sets the step time (`lintrans cost` shows the split).
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 from typing import Optional
@@ -103,6 +104,7 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"lintrans demo: {e}")
     t0 = time.perf_counter()
+    command = shlex.join(["lintrans", *getattr(args, "argv", ["demo"])])
     prof = profiles()["quick"]
     prof.caps.time_s = args.time_cap
     # several timed repeats per point, and at least two alternating rounds even where one step takes
@@ -112,10 +114,10 @@ def run(args) -> int:
     prof.caps.min_repeats = 2
     prof.ops_only = ["linear chunked", "softmax (SDPA)"]
     prof.ops_T = powers_of_two(256, args.ops_max_T)
-    ops = run_benchmark("ops", prof, out=args.out)
+    ops = run_benchmark("ops", prof, out=args.out, command=command)
     prof.sizes, prof.forms = (args.size,), ("chunked",)
     prof.train_T = powers_of_two(256, args.max_T)
-    train = run_benchmark("train", prof, out=args.out)
+    train = run_benchmark("train", prof, out=args.out, command=command)
     gen = None
     if not args.skip_generate:
         prof.sizes = ("4L-128",)
@@ -123,7 +125,7 @@ def run(args) -> int:
         # what holds still on a shared machine
         prof.caps.repeats = 10
         prof.generate_T = powers_of_two(256, args.generate_max_T)
-        gen = run_benchmark("generate", prof, out=args.out)
+        gen = run_benchmark("generate", prof, out=args.out, command=command)
 
     print("\n" + "=" * 80)
     for line in summary_lines(ops, train, gen, args.size):

@@ -125,7 +125,8 @@ def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[st
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(paths["csv"], buf.getvalue())
-    md = [f"# {name}", "", "machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "",
+    md = [f"# {name}", "", *([f"command: `{meta['command']}`", ""] if meta.get("command") else []),
+          "machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "",
           "time per step (ms; s where marked):", "", markdown_table(rows, "time_s")]
     if any(r.get("peak_bytes") for r in rows):
         md += ["", "peak memory:", "", markdown_table(rows, "peak_bytes")]

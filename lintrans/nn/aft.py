@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from lintrans.ops.aft import (
+    BANDED_RATIO,
     aft,
     aft_last_row,
     aft_simple_state,
@@ -54,20 +55,42 @@ class _AFT(QKVAttention):
     NAME = VARIANT = ""
 
     @classmethod
+    def _band(cls, shape) -> tuple[int, int]:
+        """local/conv: (keys the bias reaches, bias rows: heads or 1)."""
+        if cls.VARIANT == "conv":
+            return cls.option(shape, "kernel"), shape.n_head
+        return cls.option(shape, "window"), shape.n_head if cls.option(shape, "per_head") else 1
+
+    @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
         D = shape.n_head * shape.head_dim
-        # weighted sums of exp(K) V and exp(K) over every earlier key (T^2 D each); simple: running sums
-        return 4.0 * B * T * D if cls.VARIANT == "simple" else 4.0 * B * T * T * D
+        if cls.VARIANT == "simple":  # running sums
+            return 4.0 * B * T * D
+        if cls.VARIANT in ("local", "conv"):
+            W, Hw = cls._band(shape)
+            if T * Hw > BANDED_RATIO * B * shape.n_head * W * shape.head_dim:  # the op's choice: the band
+                return 4.0 * B * T * W * D
+        # weighted sums of exp(K) V and exp(K) over every earlier key (T^2 D each)
+        return 4.0 * B * T * T * D
 
     @classmethod
     def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
         D = shape.n_head * shape.head_dim
         if cls.VARIANT == "simple":
-            return 2 * B * D * 4  # running sums, float32
+            return 3 * B * D * 4  # running sums and maximum, float32
         if cls.VARIANT in ("local", "conv"):
-            w = cls.option(shape, "window" if cls.VARIANT == "local" else "kernel")
-            return 2 * B * D * 4 + 2 * B * D * min(w, T) * dtype_bytes  # unbiased sums + the window's keys
+            W, _ = cls._band(shape)
+            return 3 * B * D * 4 + 2 * B * D * W * dtype_bytes  # unbiased sums and maximum + a ring of W keys
         return 2 * B * D * T * dtype_bytes  # full: every key and value
+
+    @classmethod
+    def extra_parameters(cls, shape) -> int:
+        if cls.VARIANT == "full":
+            return (shape.n_head if cls.option(shape, "per_head") else 1) * shape.block_size**2
+        if cls.VARIANT in ("local", "conv"):
+            W, Hw = cls._band(shape)
+            return Hw * (W if cls.VARIANT == "conv" else shape.block_size**2)
+        return 0
 
     def __init__(self, config):
         super().__init__(config)

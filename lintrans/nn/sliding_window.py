@@ -54,7 +54,19 @@ class SlidingWindowAttention(QKVAttention):
     @classmethod
     def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
         ring = (cls.option(shape, "window") - 1) * cls.option(shape, "dilation") + 1
-        return 2 * B * shape.kv_heads * shape.head_dim * min(ring, T) * dtype_bytes  # the ring buffer
+        width = B * shape.n_head * shape.head_dim  # keys and values are cached after repeat_kv
+        out = 2 * width * ring * dtype_bytes  # the ring buffer, allocated whole
+        g = cls.option(shape, "global_tokens")
+        if g:  # the prefix up to the last global token: its keys and values, and their global projections
+            out += 4 * width * min(T, max(g) + 1) * dtype_bytes
+        return out
+
+    @classmethod
+    def extra_parameters(cls, shape) -> int:
+        if not cls.option(shape, "global_tokens"):
+            return 0
+        D = shape.n_head * shape.head_dim
+        return 3 * (shape.n_embd * D + int(shape.bias) * D)  # q_global, k_global, v_global
 
     def __init__(self, config):
         super().__init__(config)

@@ -163,6 +163,7 @@ def test_bench_rejects_unknown_mechanism():
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["cost", "--form", "bogus"], "--form must be one of"),
     (["cost", "--T", "0"], "every --T must be an int >= 1, got 0"),
     (["cost", "--T", "-5"], "every --T must be an int >= 1, got -5"),
     (["cost", "--n-embd", "100", "--n-head", "3"], "--n-embd (100) must be divisible by --n-head (3)"),
@@ -255,7 +256,7 @@ def test_demo_writes_its_record_to_a_folder_it_names(tmp_path, monkeypatch, caps
 
     seen = []
 
-    def fake_benchmark(which, prof, *, device="cpu", out=None):  # records where it was asked to write
+    def fake_benchmark(which, prof, *, device="cpu", out=None, command=None):  # records where it was asked to write
         seen.append(out)
         rows = [{"series": s, "T": 256, "status": "ok", "time_s": t} for s, t in (("a", 1.0), ("b", 2.0))]
         return {"rows": rows, "speedups": [speedup(rows, "a", "b")], "lines": []}
@@ -356,6 +357,9 @@ def test_bench_generate_at_chosen_contexts_with_one_decoder(tmp_path, capsys):
     # every timed repeat's process CPU time beside its wall time, the least as cpu_s
     assert all(len(r["cpu_times_s"]) == len(r["times_s"]) and r["cpu_s"] == min(r["cpu_times_s"]) for r in data["rows"])
     assert "process CPU time" in data["headline"]
+    # the record names the command that made it and its settings
+    assert data["command"].startswith("lintrans bench generate --T 96 32")
+    assert data["settings"]["decoders"] == ["linear"]
 
 
 def test_demo_states_the_chunked_ops_share_of_the_probe():

@@ -5,7 +5,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lintrans.bench.cost import (
-    ModelShape, arithmetic_intensity, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
+    ModelShape, arithmetic_intensity, attention_core_flops, attention_crossover, cache_bytes, forward_flops, mfu, parameters,
     speedup_bounds, training_flops,
 )
 from lintrans.models import GPT, GPTConfig
@@ -99,7 +99,9 @@ def test_every_registered_mechanism_reports_its_cost(attention):
     assert attention in available_attention()
     m = ModelShape(n_layer=2, n_head=4, n_embd=64, attention=attention)
     f1, f2 = (forward_flops(m, T)["attention"] for T in (256, 1024))
-    assert f1 >= 0 and f2 >= f1
+    assert f1 >= 0 and f2 >= 0
+    if attention not in ("aft-local", "aft-conv"):  # those switch to their cheaper banded path as T grows
+        assert f2 >= f1
     b1, b2 = cache_bytes(m, 256), cache_bytes(m, 1024)
     assert 0 <= b1 <= b2
 
@@ -152,6 +154,40 @@ def test_linear_family_cache_is_what_the_layer_keeps(attention, options):
     shape = ModelShape.from_config(cfg)
     kept = state_floats(GPT(cfg), 9) * 4 * cfg.n_layer
     assert kept == cache_bytes(shape, 9) == cache_bytes(shape, 50)
+
+
+MECHANISM_CASES = [(a, {}) for a in ("softmax", "linear", "retention", "gated-linear", "deltanet", "gated-deltanet",
+                                      "cosformer", "bigbird", "reformer", "sliding-window", "aft-simple", "aft-full",
+                                      "aft-local", "aft-conv", "none")] + [
+    ("sliding-window", {"global_tokens": [0, 40]}), ("aft-full", {"per_head": True}),
+    ("aft-local", {"window": 8, "per_head": True}), ("aft-conv", {"kernel": 5})]
+
+
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+@pytest.mark.parametrize("attention, options", MECHANISM_CASES)
+def test_cost_model_counts_what_every_model_has_and_keeps(attention, options, n_kv_head):
+    """Parameters (position biases, global projections, gates, convolutions) and the generation cache
+    (rings allocated whole, AFT's running maximum, keys repeated over grouped heads, a global prefix) as
+    a built model has them, before and after the window fills."""
+    if attention == "reformer" and n_kv_head:
+        pytest.skip("reformer shares q and k: no grouped heads")
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=20, block_size=256, attention=attention,
+                    attention_options=options, n_kv_head=n_kv_head)
+    model, shape = GPT(cfg).eval(), ModelShape.from_config(cfg)
+    assert parameters(shape)["total"] == sum(p.numel() for p in model.parameters())
+    for T in (9, 130):
+        with torch.no_grad():
+            _, cache = model.forward_cached(torch.zeros(1, T, dtype=torch.long))
+        assert cache_bytes(shape, T) == cache.nbytes(), T
+
+
+def test_banded_aft_flops_follow_the_op():
+    """AFT-local/conv run banded (O(T W D)) once the band is smaller than the bias matrix: the FLOPs
+    follow that choice instead of counting T^2 at every length."""
+    shape = ModelShape(n_layer=1, n_head=4, n_embd=128, attention="aft-conv", attention_options={"kernel": 32})
+    short, long = attention_core_flops(shape, 256), attention_core_flops(shape, 65536)
+    assert short == 4.0 * 256 * 256 * 128  # the bias matrix is smaller: T^2
+    assert long == 4.0 * 65536 * 32 * 128  # the band: linear in T
 
 
 def test_intensity_counts_the_qk_width():
