@@ -188,6 +188,26 @@ def test_decoding_logits_equal_transformers(calls):
     assert_close(ours, full, 1e-4, "decoded vs one pass")
 
 
+def test_a_copy_of_a_patched_model_runs_its_own_weights(calls):
+    """The patch is a method bound to each layer: copy.deepcopy rebinds it to the copy's layer."""
+    import copy
+
+    model = tiny_model()
+    patch_qwen3_next(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in (0, 2):
+            twin.model.layers[layer].linear_attn.A_log.data += 5.0
+    ids = torch.randint(0, 97, (1, 20), generator=gen(7))
+    with torch.no_grad():
+        a, b = model(ids).logits, twin(ids).logits
+    assert calls["delta_rule"] == 4  # both ran ours
+    assert (a - b).abs().max() > 1e-2  # and each its own weights
+    unpatch_qwen3_next(twin)
+    with torch.no_grad():
+        assert_close(twin(ids).logits, b, 1e-4, "the copy unpatched")
+
+
 def test_unpatch_and_context_manager_restore_transformers(calls):
     model, other = tiny_model(), tiny_model()
     ids = torch.randint(0, 97, (1, 20), generator=gen(6))

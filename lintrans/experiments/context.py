@@ -409,7 +409,8 @@ def summarize(s: dict, runs: list, baselines: dict) -> dict:
             spikes[m][k] = {"count": study.spread([len(r["spikes"]) for r in rs]),
                             "per_seed": [[(p["step"], round(p["size"], 3)) for p in r["spikes"]] for r in rs]}
     longest = max(contexts)
-    at_long = {m: _select(runs, m, longest) for m in mechs}
+    # a diverged run stopped early: neither its seconds nor its last loss count as a finish
+    at_long = {m: [r for r in _select(runs, m, longest) if not r.get("diverged")] for m in mechs}
     finish = {m: study.spread([r["train_seconds"] for r in rs]) for m, rs in at_long.items()}
     t_ref = finish[reference]["mean"]
     t_fast = min(f["mean"] for f in finish.values() if f["mean"] is not None)

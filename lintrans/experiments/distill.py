@@ -130,17 +130,21 @@ def run_teacher(spec: dict, env: study.RunEnv) -> dict:
     model, out = context.train_lm(spec, env)
     # weights first, then (by the caller) the JSON that marks the run finished
     atomic_write(env.path(spec, ".safetensors"), lambda tmp: save_model(model, tmp))
-    out["unigram_val_loss"] = unigram_loss(spec["source"])
+    out["unigram_val_loss"] = unigram_loss(spec["source"], spec["context"], spec["tokens_per_update"],
+                                           spec["val_tokens"])
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def unigram_loss(source: str) -> float:
-    """Held-out cross-entropy (nats/token) of each token's training-split frequency (add-one smoothed)."""
+def unigram_loss(source: str, T: int, tokens_per_update: int, val_tokens: int) -> float:
+    """Held-out cross-entropy (nats/token) of each token's training-split frequency (add-one smoothed),
+    on exactly the held-out targets the models' ``val_loss`` averages over."""
     data = context.token_data(source)
     counts = np.bincount(np.asarray(data.train), minlength=data.vocab_size) + 1.0
     logp = np.log(counts / counts.sum())
-    return float(-logp[np.asarray(data.val)].mean())
+    stream = context.TextStream(source, T, tokens_per_update, 1, 0, val_tokens)
+    targets = np.concatenate([y.numpy().ravel() for _, y in stream.val])
+    return float(-logp[targets].mean())
 
 
 def load_teacher(teacher: dict, env: study.RunEnv) -> GPT:
@@ -267,8 +271,9 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
 
 
 def recovered(l_base: float, l_teacher: float, loss):
-    """Percentage of the teacher's gain over the unigram baseline that a loss keeps."""
-    if loss is None or not math.isfinite(loss):
+    """Percentage of the teacher's gain over the unigram baseline that a loss keeps (None where the loss
+    or the teacher diverged)."""
+    if loss is None or l_teacher is None or not (math.isfinite(loss) and math.isfinite(l_teacher)):
         return None
     return 100.0 * (l_base - loss) / (l_base - l_teacher)
 
@@ -278,7 +283,9 @@ def _select(runs, fmap):
 
 
 def summarize(s: dict, teachers: list, runs: list) -> dict:
-    base = teachers[0]["unigram_val_loss"]
+    # computed here rather than read from a teacher run, so a record made before the baseline was scored
+    # on the models' own held-out tokens is corrected when it is summarised again
+    base = unigram_loss(s["source"], s["context"], s["tokens_per_update"], s["val_tokens"])
     summ = {"unigram_val_loss": base, "teacher_val_loss": study.spread([t["final_val_loss"] for t in teachers]),
             "maps": {}}
     for m in s["maps"]:

@@ -75,8 +75,9 @@ LIMITS = {
 def validate(s: dict) -> None:
     study.check_settings(s, DEFAULT, LIMITS)
     study.check_lrs(s["lrs"])
-    if not s["start_dim"] <= s["dim"] or not s["start_points"] <= s["points"] <= s["eval_points"]:
-        raise ValueError(f"need start_dim <= dim and start_points <= points <= eval_points, got {s['start_dim']}, "
+    if not s["start_dim"] <= s["dim"] or not s["start_points"] <= s["points"] < s["eval_points"]:
+        raise ValueError(f"need start_dim <= dim and start_points <= points < eval_points (the extrapolation is "
+                         f"measured past the trained points), got {s['start_dim']}, "
                          f"{s['dim']}, {s['start_points']}, {s['points']}, {s['eval_points']}")
     check_specs(s["mechanisms"], linear_form="attention", **_fields(s))
 
@@ -167,7 +168,7 @@ def _select(runs, mech):
 
 
 def summarize(s: dict, runs: list, base: dict) -> dict:
-    by_k = {m: study.spread_curves([r["error_by_examples"] or [] for r in _select(runs, m)]) for m in s["mechanisms"]}
+    by_k = {m: study.spread_curves([r["error_by_examples"] for r in _select(runs, m)]) for m in s["mechanisms"]}
     inside = {m: study.spread([r["error"] for r in _select(runs, m)]) for m in s["mechanisms"]}
     extra = {m: study.spread([sum(r["error_by_examples"][s["points"]:]) / (s["eval_points"] - s["points"])
                               if r["error_by_examples"] else None for r in _select(runs, m)])

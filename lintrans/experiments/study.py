@@ -302,9 +302,11 @@ def spread(values) -> dict:
 
 
 def spread_curves(curves: list[list]) -> dict:
-    """Pointwise spread of equally long curves: {"mean": [...], "min": [...], "max": [...]}."""
-    n = min(len(c) for c in curves)
-    cols = [spread([c[i] for c in curves]) for i in range(n)]
+    """Pointwise spread of curves over seeds: {"mean": [...], "min": [...], "max": [...]}, as long as the
+    longest; a curve that ends early (its run diverged) or is None counts only where it has points."""
+    curves = [c for c in curves if c is not None]
+    n = max((len(c) for c in curves), default=0)
+    cols = [spread([c[i] for c in curves if i < len(c)]) for i in range(n)]
     return {k: [c[k] for c in cols] for k in ("mean", "min", "max")}
 
 

@@ -16,6 +16,7 @@ transformers is imported by the caller, never here: this module only reads the l
 from __future__ import annotations
 
 import sys
+import types
 from contextlib import contextmanager
 from typing import Iterator, Optional, Tuple
 
@@ -51,8 +52,10 @@ def _packed(kwargs: dict) -> None:
 
 
 def _same_dtype(query, key, value):
-    # the layers hand over q, k, v in the model's dtype; transformers' fallback accepts mixed ones too
-    return query, key.to(query.dtype), value.to(query.dtype)
+    # the layers hand over q, k, v in the model's dtype; transformers' fallback accepts mixed ones too and
+    # computes in float32, so mixed inputs meet at their promoted dtype rather than the query's
+    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def chunk_gated_delta_rule(
@@ -75,11 +78,13 @@ def chunk_gated_delta_rule(
     transformers. Other keyword arguments the layers pass are ignored, but for ``cu_seqlens`` (packed
     sequences), which is refused."""
     _packed(kwargs)
+    out_dtype = query.dtype  # transformers returns o in the query's dtype
     query, key, value = _same_dtype(query, key, value)
     q, k = _grouped(query, key, value)
-    return delta_rule(q, k, value, beta, log_decay=g, form="chunked", chunk_size=chunk_size,
+    o, S = delta_rule(q, k, value, beta, log_decay=g, form="chunked", chunk_size=chunk_size,
                       l2_normalize=bool(use_qk_l2norm_in_kernel), initial_state=initial_state,
                       output_final_state=output_final_state)
+    return o.to(out_dtype), S
 
 
 def recurrent_gated_delta_rule(
@@ -97,17 +102,19 @@ def recurrent_gated_delta_rule(
     but ``chunk_size``. One token (decoding) runs ``delta_rule_step``; longer inputs run the chunked form,
     which computes the same recurrence."""
     _packed(kwargs)
+    out_dtype = query.dtype
     query, key, value = _same_dtype(query, key, value)
     q, k = _grouped(query, key, value)
     l2 = bool(use_qk_l2norm_in_kernel)
     if q.shape[1] != 1:
-        return delta_rule(q, k, value, beta, log_decay=g, form="chunked", l2_normalize=l2,
+        o, S = delta_rule(q, k, value, beta, log_decay=g, form="chunked", l2_normalize=l2,
                           initial_state=initial_state, output_final_state=output_final_state)
+        return o.to(out_dtype), S
     if g.dim() != 3 or beta.dim() != 3:
         raise ValueError(f"g and beta must be [B, T, H] tensors, got {list(g.shape)} and {list(beta.shape)}")
     o, S = delta_rule_step(q[:, 0], k[:, 0], value[:, 0], beta[:, 0], initial_state, log_decay=g[:, 0],
                            l2_normalize=l2)
-    return o[:, None], (S if output_final_state else None)
+    return o[:, None].to(out_dtype), (S if output_final_state else None)
 
 
 def _is_gated_deltanet(module: torch.nn.Module) -> bool:
@@ -118,24 +125,20 @@ def _is_gated_deltanet(module: torch.nn.Module) -> bool:
             and all(hasattr(defining, name) for name in _GLOBAL_NAMES))
 
 
-def _forward_calling_ours(module: torch.nn.Module, forward):
-    """``forward`` with the defining module's two functions swapped for ours during the call (the layers
-    look them up as globals at call time). Not for a patched and an unpatched model of one family running
-    at once in two threads: the swap is per Python module."""
-    defining = sys.modules[type(module).__module__]
-    ours = (chunk_gated_delta_rule, recurrent_gated_delta_rule)
-
-    def patched_forward(*args, **kwargs):
-        saved = [getattr(defining, name) for name in _GLOBAL_NAMES]
-        for name, fn in zip(_GLOBAL_NAMES, ours):
+def _patched_forward(self, *args, **kwargs):
+    """The layer's class forward with the defining module's two functions swapped for ours during the
+    call (the layers look them up as globals at call time). Bound to the layer as a method, so a copy of
+    the model (``copy.deepcopy``) runs its own weights. Not for a patched and an unpatched model of one
+    family running at once in two threads: the swap is per Python module."""
+    defining = sys.modules[type(self).__module__]
+    saved = [getattr(defining, name) for name in _GLOBAL_NAMES]
+    for name, fn in zip(_GLOBAL_NAMES, (chunk_gated_delta_rule, recurrent_gated_delta_rule)):
+        setattr(defining, name, fn)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        for name, fn in zip(_GLOBAL_NAMES, saved):
             setattr(defining, name, fn)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            for name, fn in zip(_GLOBAL_NAMES, saved):
-                setattr(defining, name, fn)
-
-    return patched_forward
 
 
 def patch_qwen3_next(model: torch.nn.Module) -> int:
@@ -159,7 +162,10 @@ def patch_qwen3_next(model: torch.nn.Module) -> int:
             setattr(module, _MARK, ("attributes", saved))
         else:  # the layer calls module-level functions
             own = module.__dict__.get("forward")
-            module.forward = _forward_calling_ours(module, module.forward)
+            if own is not None:  # someone else's wrapper: ours would bypass it
+                raise ValueError(f"{type(module).__name__} already has an instance-level forward (another "
+                                 "patch?); patch_qwen3_next wraps the class's forward only")
+            module.forward = types.MethodType(_patched_forward, module)
             setattr(module, _MARK, ("forward", own))
     if count == 0:
         raise ValueError(f"model ({type(model).__name__}) has no Gated DeltaNet layer (a Qwen3-Next-family "

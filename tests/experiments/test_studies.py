@@ -207,6 +207,7 @@ def test_quick_does_not_default_to_the_record_folder():
     ("context", ["--mechanisms", "linear:elu@rope"], "pos_embedding='rope'"),
     ("context", ["--mechanisms", "softmax@bogus"], "after '@' must be one of"),
     ("regression", ["--set", "eval_points=3"], "eval_points"),
+    ("regression", ["--set", "eval_points=5"], "points < eval_points"),  # nothing left to extrapolate to
     ("regression", ["--set", "curriculum=1.5"], "curriculum"),
     ("regression", ["--seeds", "0"], "seeds"),
     ("context", ["--plot-only"], "--plot-only"),
@@ -269,3 +270,21 @@ def test_recall_runs_the_delta_rule_and_records_its_state(tmp_path, capsys):
             h = p["width"] // p["heads"]
             assert p["state_floats"] == p["heads"] * h * h + 3 * 3 * p["width"]
             assert p["accuracy"]["n"] == 1
+
+
+def test_distill_baseline_is_scored_on_the_models_held_out_tokens():
+    """The unigram loss averages over the targets of the held-out windows the models' val_loss sees,
+    not over the whole held-out split."""
+    import numpy as np
+
+    from lintrans.experiments import context, distill
+
+    got = distill.unigram_loss("builtin:python-docs", 16, 64, 256)
+    data = context.token_data("builtin:python-docs")
+    logp = np.log((np.bincount(np.asarray(data.train), minlength=data.vocab_size) + 1.0) /
+                  (len(data.train) + data.vocab_size))
+    stream = context.TextStream("builtin:python-docs", 16, 64, 1, 0, 256)
+    assert sum(y.numel() for _, y in stream.val) == 256
+    targets = np.asarray(data.val)[1:257]  # the windows' targets: the 256 bytes after the first
+    assert got == pytest.approx(float(-logp[targets].mean()), rel=1e-12)
+    assert got != pytest.approx(float(-logp[np.asarray(data.val)].mean()), rel=1e-3)

@@ -46,7 +46,9 @@ def test_lr_sweep_picks_the_lowest_held_out_score_and_skips_diverged():
 def test_spread():
     assert study.spread([1.0, 3.0, None]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2, "n_failed": 1}
     assert study.spread([None])["mean"] is None
-    assert study.spread_curves([[1, 2, 3], [3, 4]]) == {"mean": [2, 3], "min": [1, 2], "max": [3, 4]}
+    # a curve that ended early (a diverged seed) or is None does not cut the others short
+    assert study.spread_curves([[1, 2, 3], [3, 4], None]) == {"mean": [2, 3, 3], "min": [1, 2, 3], "max": [3, 4, 3]}
+    assert study.spread_curves([None]) == {"mean": [], "min": [], "max": []}
 
 
 def test_loss_spikes():
