@@ -55,7 +55,8 @@ class BigBirdAttention(QKVAttention):
             keys, values = torch.cat([cache.k, kh], dim=2), torch.cat([cache.v, vh], dim=2)
         mask = bigbird_mask(past + T, start=past, causal=True, **self.pattern).to(x.device)  # [T,past+T]
         scale = 1.0 / math.sqrt(self.head_dim) if self.opts["scale"] is None else float(self.opts["scale"])
-        s = (q.transpose(1, 2) @ keys.transpose(-1, -2)).float() * scale  # [B,H,T,L]
+        acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least, float64 for float64 models
+        s = (q.transpose(1, 2) @ keys.transpose(-1, -2)).to(acc) * scale  # [B,H,T,L]
         o = s.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype) @ values  # [B,H,T,D]
         return self.out(o.transpose(1, 2)), (cache if use_cache else None)
 

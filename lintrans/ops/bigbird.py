@@ -30,7 +30,7 @@ def _check(block_size, window_blocks, global_blocks, random_blocks, seed, causal
     check_number("window_blocks", window_blocks, integer=True, low=1)
     check_number("global_blocks", global_blocks, integer=True, low=0)
     check_number("random_blocks", random_blocks, integer=True, low=0)
-    check_number("seed", seed, integer=True)
+    check_number("seed", seed, integer=True, low=0, high=2**40)  # seed * 1_000_003 + block must fit 64 bits
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
 

@@ -104,11 +104,13 @@ def tune_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32
     cands = [c for c in candidates if c <= Tb] or [min(candidates)]
     g = torch.Generator().manual_seed(0)
     shape = (1, Tb, TUNE_HEADS)
-    # positive q, k with the identity map stand for any map's features (the cost does not depend on values)
-    q, k = (torch.rand(*shape, feature_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
-    v = torch.randn(*shape, head_dim, generator=g).to(device, dtype).requires_grad_()
-    ld = -torch.rand(*shape, generator=g).to(device, dtype).requires_grad_() if gated else None  # [1,T,H]
-    with torch.enable_grad():
+    # the first call may come from inside inference_mode or no_grad (a model's forward): the timed
+    # forward + backward needs ordinary tensors and autograd
+    with torch.inference_mode(False), torch.enable_grad():
+        # positive q, k with the identity map stand for any map's features (the cost does not depend on values)
+        q, k = (torch.rand(*shape, feature_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
+        v = torch.randn(*shape, head_dim, generator=g).to(device, dtype).requires_grad_()
+        ld = -torch.rand(*shape, generator=g).to(device, dtype).requires_grad_() if gated else None  # [1,T,H]
         timings = {c: measure_candidate(c, q, k, v, ld, repeats) for c in cands}
     return min(timings, key=timings.get), timings
 
@@ -122,7 +124,8 @@ def auto_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32
     if key in _memo:
         return _memo[key]
     entry = load_cache().get(key)
-    if not (isinstance(entry, dict) and isinstance(entry.get("chunk_size"), int) and entry["chunk_size"] >= 1):
+    # a hand-edited or foreign cache: only a candidate chunk counts (True is an int to isinstance)
+    if not (isinstance(entry, dict) and type(entry.get("chunk_size")) is int and entry["chunk_size"] in CANDIDATES):
         entry = store(key, *tune_chunk_size(T, head_dim, feature_dim, dtype, device, gated=gated))
     _memo[key] = entry["chunk_size"]
     return _memo[key]

@@ -23,11 +23,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_rows: int, ignore_index: int, reduction: str):
+    def forward(ctx, h, weight, targets, chunk_rows: int, ignore_index: int, reduction: str, grad_mode: bool):
         N = h.shape[0]
         keep = targets != ignore_index  # [N]
         count = keep.sum()
-        needs_grad = reduction != "none" and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        # needs_input_grad follows requires_grad, not grad mode: under no_grad (an evaluation) nothing
+        # will call backward, so the gradients are not computed
+        needs_grad = grad_mode and reduction != "none" and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         acc = _acc_dtype(h.dtype)
         per_row = torch.zeros(N, dtype=acc, device=h.device)  # [N] loss of each row
         grad_h = torch.empty_like(h) if needs_grad else None
@@ -51,7 +53,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums = logits.exp_().sum(dim=0)  # [n]
             per_row[s:s + n] = torch.where(ks, sums.log() - picked, 0.0)
             if needs_grad:
-                w_row = ks.to(acc) / denom  # ignored rows get no gradient
+                # ignored rows get no gradient; an all-ignored batch none at all (its loss is nan, its
+                # gradient 0, as F.cross_entropy's), not 0 / 0
+                w_row = torch.where(ks, 1.0 / denom.clamp(min=1), 0.0).to(acc)
                 if h.dtype == acc:
                     # exp - sums * onehot is sums * (softmax - onehot): the 1 / sums goes onto the
                     # [n, d] operands instead of a pass over the [V, n] chunk
@@ -82,7 +86,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         gh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -119,7 +123,8 @@ def linear_cross_entropy(
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
         if bool(bad.any()):
             raise ValueError(f"targets must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}")
-    return _LinearCrossEntropy.apply(h, weight, targets, chunk_rows, ignore_index, reduction)
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk_rows, ignore_index, reduction,
+                                     torch.is_grad_enabled())
 
 
 def linear_cross_entropy_reference(h, weight, targets, *, ignore_index: int = -1, reduction: str = "mean"):

@@ -46,7 +46,7 @@ def check_lsh_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback) -
                          f"n_buckets / 2 rotations and their negatives), got {n_buckets!r}")
     check_number("n_hashes", n_hashes, integer=True, low=1)
     check_number("chunk_size", chunk_size, integer=True, low=1)
-    check_number("seed", seed, integer=True)
+    check_number("seed", seed, integer=True, low=0, high=2**63 - 1)  # what torch.manual_seed takes
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     check_choice("lookback", lookback, LOOKBACKS)

@@ -127,8 +127,11 @@ class TrainConfig:
                              f"train.device is {self.train.device!r}")
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
         check_attention(gpt)
-        if self.train.context_parallel > 1:
+        # with init_from the model is the initial weights' (checked when they are read, in the run's plan)
+        if self.train.context_parallel > 1 and not self.train.init_from:
             check_context_parallel(gpt.attention, gpt.block_size, self.train.context_parallel)
+        if self.train.parallel == "fsdp" and gpt.reversible and not self.train.init_from:
+            check_fsdp(gpt)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model config, with the vocabulary taken from the tokenizer unless set explicitly."""
@@ -145,6 +148,14 @@ def check_attention(gpt: GPTConfig) -> None:
     layer = get_attention(gpt.attention)
     with torch.device("meta"):
         layer(gpt)
+
+
+def check_fsdp(gpt: GPTConfig) -> None:
+    """FSDP2 gathers a block's weights around the block's forward; reversible layers call the block's
+    halves directly (forward and recompute), so they would see sharded weights."""
+    if gpt.reversible:
+        raise ValueError("train.parallel = 'fsdp' cannot shard model.reversible = true (its layers call the "
+                         "blocks' halves, which FSDP does not gather); use train.parallel = 'ddp'")
 
 
 def check_context_parallel(attention: str, block_size: int, n: int) -> None:

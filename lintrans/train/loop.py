@@ -16,7 +16,7 @@ import torch
 from lintrans._io import atomic_write_text
 
 from . import checkpoint as ckpt
-from .config import TrainConfig, padded_vocab, write_resolved
+from .config import TrainConfig, check_context_parallel, check_fsdp, padded_vocab, write_resolved
 from .data import TokenData, WindowSampler, batch_layout, get_batch, prepare_data, resolve_source
 from .distributed import (
     DistInfo, all_mean, any_flag, barrier, full_state_dicts, full_value, gather_objects, init_distributed, is_sharded,
@@ -322,6 +322,11 @@ class _Run:
             self.gpt_config = cfg.gpt_config(vocab_size=padded_vocab(self.tokenizer.vocab_size))
             expected = self.gpt_config.to_dict()
         self.block = self.gpt_config.block_size
+        if cfg.train.init_from:  # the model is the initial weights' or the checkpoint's: check it, not cfg.model
+            if cfg.train.context_parallel > 1:
+                check_context_parallel(self.gpt_config.attention, self.block, cfg.train.context_parallel)
+            if cfg.train.parallel == "fsdp":
+                check_fsdp(self.gpt_config)
         self.total, self.micro, self.accum = batch_layout(cfg.train.tokens_per_update, cfg.train.batch_size,
                                                           cfg.train.micro_batch_size, self.block, info.dp_size)
         if self.saved is not None:

@@ -73,6 +73,7 @@ def test_sparse_work_never_builds_t_by_t():
     (dict(window_blocks=0), ValueError, "window_blocks must be an int >= 1"),
     (dict(random_blocks=-1), ValueError, "random_blocks must be an int >= 0"),
     (dict(seed=1.5), TypeError, "seed must be an int"),
+    (dict(seed=2**45), ValueError, "seed must be an int"),  # seed * 1_000_003 + block would overflow 64 bits
     (dict(causal="yes"), TypeError, "causal must be a bool"),
 ])
 def test_bad_arguments(kw, err, match):

@@ -69,6 +69,24 @@ def test_corrupt_cache_is_remeasured(counted, tmp_path):
     assert len(counted) == 2  # 32, 64 <= bucket 64
 
 
+@pytest.mark.parametrize("cached", [True, 48, 4096, -1])
+def test_a_cached_entry_that_is_no_candidate_is_remeasured(counted, tmp_path, cached):
+    key = tune.cache_key("cpu", torch.float32, 8, 8, 50, False)
+    (tmp_path / "chunk_size.json").write_text(json.dumps({key: {"chunk_size": cached}}))
+    linear_attention(*_qkv(50), chunk_size="auto")
+    assert len(counted) == 2 and tune.auto_chunk_size(50, 8, 8) == 32
+
+
+def test_first_measurement_inside_inference_mode(tmp_path, monkeypatch):
+    """A model's first forward under torch.inference_mode can be what triggers the measurement."""
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_memo", {})
+    monkeypatch.setattr(tune, "CANDIDATES", (32, 64))
+    with torch.inference_mode():
+        o, _ = linear_attention(*_qkv(40), chunk_size="auto")
+    assert o.shape == (1, 40, 2, 8) and json.loads((tmp_path / "chunk_size.json").read_text())
+
+
 @pytest.mark.parametrize("bad,err", [("fast", TypeError), (0, ValueError), (-4, ValueError), (2.5, TypeError),
                                      (True, TypeError), (None, TypeError)])
 def test_invalid_chunk_size_rejected(bad, err):

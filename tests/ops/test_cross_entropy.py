@@ -81,6 +81,30 @@ def test_large_logits_stay_finite():
 def test_all_rows_ignored_gives_nan_like_cross_entropy():
     h, w, t = case(3, 2, 4, ignore=(0, 1, 2))
     assert torch.isnan(linear_cross_entropy(h, w, t)) and torch.isnan(linear_cross_entropy_reference(h, w, t))
+    # and, like F.cross_entropy, a zero gradient: one fully padded micro-batch must not put nan in the weights
+    ours = grads(linear_cross_entropy(h, w, t), h, w)
+    ref = grads(linear_cross_entropy_reference(h, w, t), h, w)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, torch.zeros_like(a)) and torch.equal(b, torch.zeros_like(b))
+
+
+def test_no_gradient_work_under_no_grad(monkeypatch):
+    """An evaluation (torch.no_grad) with a head that requires grad computes the loss only."""
+    h, w, t = case(5, 3, 7)
+    w.requires_grad_()
+    made = []
+    real = torch.zeros
+
+    def zeros(*a, **kw):  # grad_w is the only [V, d] tensor the op makes with zeros
+        out = real(*a, **kw)
+        made.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, t)
+    assert (7, 3) not in made
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(h, w, t))
 
 
 def test_bf16_autocast_close_to_float32():

@@ -170,6 +170,7 @@ def test_sparse_work_never_builds_t_by_t():
     (dict(n_hashes=0), ValueError, "n_hashes must be an int >= 1"),
     (dict(chunk_size=0), ValueError, "chunk_size must be an int >= 1"),
     (dict(seed=1.5), TypeError, "seed must be an int"),
+    (dict(seed=2**64), ValueError, "seed must be an int"),
     (dict(causal="yes"), TypeError, "causal must be a bool"),
     (dict(lookback="band"), ValueError, "lookback must be one of"),
     (dict(scale="big"), TypeError, "scale must be a number"),

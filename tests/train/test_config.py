@@ -68,6 +68,14 @@ def test_bad_overrides(override, error, match):
         load_config(None, [override])
 
 
+def test_fsdp_refuses_reversible_layers_and_init_from_defers_the_model_checks():
+    with pytest.raises(ValueError, match="cannot shard model.reversible"):
+        load_config(None, ["train.parallel=fsdp", "model.reversible=true"])
+    # with init_from the model is the initial weights' (checked once they are read), not cfg.model's softmax
+    cfg = load_config(None, ["train.context_parallel=2", "train.init_from=gpt2"])
+    assert cfg.train.context_parallel == 2
+
+
 def test_fp16_refused_on_a_cpu_before_any_data():
     with pytest.raises(ValueError, match="'train.precision' 'fp16' needs a CUDA device"):
         load_config(None, ["train.precision=fp16", "train.device=cpu"])
