@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lintrans-installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -265,8 +265,10 @@ def set_key(obj, key: str, value, *, from_text: bool = False, label: Label = con
         current = parent.get(parts[n - 1]) if isinstance(parent, dict) else getattr(parent, parts[n - 1])
         container = json.loads(json.dumps(current or {}))  # a copy: the old value stays if this fails
         node = container
-        for p in parts[n:-1]:
+        for i, p in enumerate(parts[n:-1], start=n):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{label('.'.join(parts[:i + 1]))} is {node!r}, not a table, so {key!r} cannot be set")
         node[parts[-1]] = parse_text(value) if from_text and isinstance(value, str) else value
         value, from_text = container, False
     value = convert(label(head), value, typ, meta, from_text=from_text)
@@ -404,6 +406,24 @@ def apply_flags(obj, args: argparse.Namespace, *, dest: str = "key:", label: Lab
 # ---- files -----------------------------------------------------------------------------------
 
 
+
+def yaml_load(text: str):
+    """YAML with YAML 1.2's floats: PyYAML's safe loader (YAML 1.1) reads 1e-3 and 3e-4, as people write
+    learning rates, as strings; here they are numbers, as in TOML and JSON."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)
+
+
 def read_file(path) -> dict:
     """A TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file as a dict; errors name the file."""
     path = Path(path)
@@ -426,7 +446,7 @@ def read_file(path) -> dict:
         import yaml
 
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml_load(text) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     elif path.suffix == ".json":

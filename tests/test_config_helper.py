@@ -79,6 +79,8 @@ def test_overrides_and_unknown_keys():
         apply_overrides(Sample(), ["stepz=3"])
     with pytest.raises(ValueError, match="'steps' is not a table"):
         apply_overrides(Sample(), ["steps.x=3"])
+    with pytest.raises(ValueError, match=r"'inner.options.k' is 'v', not a table, so 'inner.options.k.x' cannot be set"):
+        apply_overrides(Sample(), ["inner.options.k=v", "inner.options.k.x=1"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         apply_overrides(Sample(), ["steps"])
     s = Sample()
@@ -99,6 +101,10 @@ def test_files_round_trip_and_values_from_files_are_not_converted(tmp_path):
         from_dict(Sample, {"quick": 1})
     with pytest.raises(TypeError, match=r"section \[inner\] must be a table"):
         from_dict(Sample, {"inner": 3})
+    # YAML as people write it: 3e-4 and 1e-3 are numbers (PyYAML's YAML 1.1 would read strings)
+    (tmp_path / "e.yaml").write_text("inner:\n  rate: 3e-4\nlrs: [1e-3, 2E-3, -1e+2]\n")
+    s = from_dict(Sample, read_file(tmp_path / "e.yaml"))
+    assert s.inner.rate == 3e-4 and s.lrs == [1e-3, 2e-3, -100.0]
     (tmp_path / "c.toml").write_text("[inner\n")
     with pytest.raises(ValueError, match="c.toml is not valid TOML"):
         read_file(tmp_path / "c.toml")

@@ -7,7 +7,7 @@ Two comparisons:
 * two builds of the native kernels (``--builds OLD.so NEW.so``): the same calls with one library,
   then the other. The .so files are lintrans's own builds (``python -m lintrans.ops.native`` prints
   the current one's path; earlier builds stay in the cache directory, named by a hash of their
-  sources), so an A/B of a kernel change is: build before, build after, run this.
+  build key: sources, flags, toolchain, torch and CPU), so an A/B of a kernel change is: build before, build after, run this.
 
 Variants alternate (A B A B ..., after one warm-up call each) so that a burst of load on a shared
 machine hits them alike; median, fastest and first quartile of the wall time and the fastest

@@ -138,6 +138,25 @@ def test_a_library_that_does_not_load_is_rebuilt_once(fake_cxx):
     assert native.open_library() is not None and _builds(log) == 1  # now it loads: no further build
 
 
+def test_a_compiler_command_with_arguments_builds(fake_cxx, monkeypatch):
+    """CXX="ccache g++" style: split as a shell would, not taken as one program's name."""
+    log, real, cache = fake_cxx
+    monkeypatch.setenv("CXX", f"env FAKE_CXX_SLEEP=0 {os.environ['CXX']}")
+    assert native.compiler()[0] == "env"
+    native.open_library()
+    assert _builds(log) == 1
+
+
+def test_kernels_turned_on_again_in_a_process_build_then(fake_cxx, monkeypatch):
+    log, real, cache = fake_cxx
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    assert native.library() is None and _builds(log) == 0
+    monkeypatch.setenv("LINTRANS_NATIVE", "1")
+    assert native.library() is not None and _builds(log) == 1
+
+
 def test_a_rebuild_that_does_not_load_either_falls_back_after_one_try(fake_cxx, monkeypatch, tmp_path):
     log, real, cache = fake_cxx
     junk = tmp_path / "junk.so"

@@ -28,6 +28,7 @@ import functools
 import glob
 import hashlib
 import os
+import shlex
 import platform
 import shutil
 import subprocess
@@ -73,8 +74,9 @@ def flags() -> list:
     return [*BASE_FLAGS, f"-march={march()}"]
 
 
-def compiler() -> str:
-    return os.environ.get("CXX", "c++")
+def compiler() -> tuple:
+    """The compiler command: $CXX split as a shell would (e.g. "ccache g++"), else c++."""
+    return tuple(shlex.split(os.environ.get("CXX", ""))) or ("c++",)
 
 
 def _output_of(cmd) -> str:
@@ -86,13 +88,13 @@ def _output_of(cmd) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _toolchain(cxx: str) -> str:
+def _toolchain(cxx: tuple) -> str:
     """The compiler (its path and ``--version``), the C++ runtime it links (libstdc++'s real file
     name carries its version) and glibc's version."""
-    libstdcxx = _output_of([cxx, "-print-file-name=libstdc++.so"]).strip()
+    libstdcxx = _output_of([*cxx, "-print-file-name=libstdc++.so"]).strip()
     libstdcxx = os.path.realpath(libstdcxx) if os.path.isabs(libstdcxx) else libstdcxx
     libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else ""
-    return "\n".join([shutil.which(cxx) or cxx, _output_of([cxx, "--version"]), libstdcxx,
+    return "\n".join([" ".join(shutil.which(c) or c for c in cxx), _output_of([*cxx, "--version"]), libstdcxx,
                       libc or " ".join(platform.libc_ver())])
 
 
@@ -191,7 +193,7 @@ def build(verbose: bool = False, replace: Optional[tuple] = None) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=out.parent)
         os.close(fd)
         torch_lib = _torch_lib()
-        cmd = [compiler(), *flags(), *map(str, SOURCES), "-o", tmp,
+        cmd = [*compiler(), *flags(), *map(str, SOURCES), "-o", tmp,
                f"-L{torch_lib}", "-ltorch_cpu", "-lc10", "-lmvec", f"-Wl,-rpath,{torch_lib}"]
         try:
             try:
@@ -241,12 +243,12 @@ def library() -> Optional[ctypes.CDLL]:
     global _lib, _tried
     if _lib is not None or _tried:
         return _lib
+    if not enabled() or not SOURCES:  # not _tried: turned on again later in this process, it builds then
+        return None
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        if not enabled() or not SOURCES:
-            return None
         try:
             _lib = open_library()
         except Exception as e:  # no compiler, no BLAS symbols, ...: the PyTorch path stays
