@@ -10,8 +10,8 @@ in flash-linear-attention's layout:
     y       = (RMSNorm(o) * SiLU(x W_g)) W_o              RMSNorm per head, weight shared by the heads
                                                           (output_gate=False: RMSNorm(o) W_o)
 
-``A_log`` and ``dt_bias`` start as in Mamba-2 and flash-linear-attention (A ~ U(0, 16), softplus(dt_bias)
-log-uniform in [1e-3, 0.1]). With ``n_kv_head < n_head`` the key and value heads are shared by groups
+``A_log`` and ``dt_bias`` start as in flash-linear-attention's Gated DeltaNet (A ~ U(0, 16); Mamba-2 draws
+A from U(1, 16)) and Mamba-2 (softplus(dt_bias) log-uniform in [1e-3, 0.1]). With ``n_kv_head < n_head`` the key and value heads are shared by groups
 of query heads, so the state is still one Dk x Dv matrix per query head.
 
 The decoding cache is (the convolution's last ``conv_size - 1`` inputs [B, K-1, W], S [B, H, Dk, Dv]):
@@ -54,8 +54,9 @@ class DeltaNetOptions:
 
 
 def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
-    """(A_log, dt_bias) [H] as Mamba-2 and flash-linear-attention initialise them."""
-    A = torch.empty(n_head).uniform_(0, 16)
+    """(A_log, dt_bias) [H] as flash-linear-attention's Gated DeltaNet initialises them (A ~ U(0, 16), where
+    Mamba-2 uses U(1, 16); dt as Mamba-2)."""
+    A = torch.empty(n_head).uniform_(0, 16).clamp_(min=1e-4)  # never exactly 0: log(0) = -inf could not learn
     dt = torch.exp(torch.rand(n_head) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     dt = dt.clamp(min=dt_floor)
     return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)

@@ -52,6 +52,11 @@ def _param_shape(head_dim: int, num_heads: Optional[int], *rest: int) -> tuple[i
     return ((num_heads,) if num_heads is not None else ()) + tuple(rest)
 
 
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
 class ReBased(nn.Module):
     """ReBased (Aksenov et al. 2024): y = gamma * norm(x) + beta, phi(x) = psi(y) / sqrt(d).
 
@@ -67,8 +72,10 @@ class ReBased(nn.Module):
         self, head_dim: int, *, num_heads: Optional[int] = None, symmetric: bool = True, eps: float = 1e-5
     ) -> None:
         super().__init__()
+        _check_bool("symmetric", symmetric)
+        check_number("eps", eps, low=0, low_open=True)  # layer_norm of a constant row divides by sqrt(eps)
         shape = _param_shape(head_dim, num_heads, head_dim)
-        self.head_dim, self.num_heads, self.symmetric, self.eps = head_dim, num_heads, bool(symmetric), eps
+        self.head_dim, self.num_heads, self.symmetric, self.eps = head_dim, num_heads, symmetric, eps
         self.gamma = nn.Parameter(torch.ones(shape))
         self.beta = nn.Parameter(torch.zeros(shape))
 
@@ -106,6 +113,7 @@ class Hedgehog(nn.Module):
         super().__init__()
         feature_dim = head_dim if feature_dim is None else feature_dim
         check_positive_int("feature_dim", feature_dim)
+        _check_bool("bias", bias)
         shape = _param_shape(head_dim, num_heads, feature_dim, head_dim)
         self.head_dim, self.num_heads, self.projection_dim = head_dim, num_heads, feature_dim
         self.weight = nn.Parameter(torch.eye(feature_dim, head_dim).expand(shape).clone())  # [(H,) f, d]
@@ -160,8 +168,11 @@ class Performer(nn.Module):
     phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(m) with x' = x / d^(1/4) and W the [m, d] random
     ``projection`` buffer (saved in state_dict), so E[phi(q) . phi(k)] = exp(q . k / sqrt(d)), the
     unnormalised softmax kernel. No stabiliser is subtracted: a per-position maximum would scale each
-    key by a different constant and bias the estimate, and the exponent is bounded anyway
-    (w . x' - |x'|^2/2 <= |w|^2/2, about d/2). Queries and keys must share one module (one W).
+    key by a different constant and bias the estimate. The exponent cannot overflow (w . x' - |x'|^2/2
+    <= |w|^2/2, about d/2) but can underflow: in float32, rows far longer than sqrt(d) (|x| near 50
+    at d = 64) give all-zero features, and a query whose features are all zero gets 0 / 0 attention (nan).
+    Keep queries and keys normalised (e.g. LayerNorm or L2 before the map) at such scales. Queries
+    and keys must share one module (one W).
 
     seed: draws (the first one and every ``redraw()``) come from a private generator seeded with it,
     so equal seeds give equal features; None uses torch's global generator.
@@ -177,6 +188,7 @@ class Performer(nn.Module):
         check_positive_int("head_dim", head_dim)
         check_positive_int("num_features", num_features)
         check_number("seed", seed, integer=True, allow_none=True)
+        _check_bool("orthogonal", orthogonal)
         self.head_dim, self.num_features, self.orthogonal, self.num_heads = head_dim, num_features, orthogonal, None
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.register_buffer("projection", torch.empty(num_features, head_dim))  # [m, d]

@@ -367,6 +367,15 @@ def test_bad_input_raises():
         ReBased(5, num_heads=0)
     with pytest.raises(TypeError, match="seed"):
         Performer(5, 4, seed="a")
+    # options that arrive from a config's feature_map_options: checked, not coerced
+    with pytest.raises(ValueError, match="eps must be a number > 0"):
+        ReBased(5, eps=-1.0)
+    with pytest.raises(TypeError, match="symmetric must be a bool"):
+        ReBased(5, symmetric="no")
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        Hedgehog(5, bias="False")
+    with pytest.raises(TypeError, match="orthogonal must be a bool"):
+        Performer(5, 4, orthogonal="no")
     with pytest.raises(ValueError, match="attn_pred and attn_softmax"):
         hedgehog_distillation_loss(torch.ones(3, 3), torch.ones(4, 4))
     with pytest.raises(ValueError, match="no learnable parameters"):
