@@ -1,8 +1,37 @@
+import os
 import sys
+import tempfile
 import types
+from pathlib import Path
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """The suite's own cache folder, so that nothing it measures (chunk_size="auto" timings, benchmark
+    probes) lands in the user's cache where later runs would read it. The built kernels and tokenized
+    corpora of the user's cache are reused (linked), not rebuilt."""
+    if os.environ.get("LINTRANS_TEST_CACHE_KEPT"):  # the user asked for the real cache
+        return
+    from lintrans._platform import cache_dir
+
+    real = cache_dir()
+    tmp = Path(tempfile.mkdtemp(prefix="lintrans-test-cache-"))
+    for name in ("data",):
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (tmp / name).symlink_to(real / name, target_is_directory=True)
+    os.environ.setdefault("LINTRANS_NATIVE_DIR", str(real / "native"))
+    os.environ["LINTRANS_CACHE_DIR"] = str(tmp)
+    config._lintrans_test_cache = tmp
+
+
+def pytest_unconfigure(config):
+    tmp = getattr(config, "_lintrans_test_cache", None)
+    if tmp is not None:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)  # the data link goes, not what it points to
 
 
 @pytest.fixture(autouse=True)

@@ -87,7 +87,9 @@ def test_low_precision_and_no_state():
     o, S = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True)
     o_ref, _ = qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True)
     assert S is None and o.dtype == torch.bfloat16
-    assert_close(o, o_ref, 2e-2, "o")
+    # both compute in float32 and round to bf16: a few bf16 steps (2^-8) of the output's own size
+    err, size = (o.double() - o_ref.double()).abs().max().item(), o_ref.double().abs().max().item()
+    assert err <= 4 * 2**-8 * size, f"o: max abs error {err:.3g} against outputs up to {size:.3g}"
     _, S = recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g=g[:, :1].float(), beta=beta[:, :1],
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert S.dtype == torch.float32
