@@ -33,6 +33,17 @@ def _model(attention, opts, extra):
     return GPT(cfg), ModelShape.from_config(cfg)
 
 
+def counter():
+    """FlopCounterMode that also counts the in-place batched products the PyTorch blocks use
+    (``baddbmm_``, ``addmm_``): its registry knows only the out-of-place ones."""
+    def product(self_shape, a_shape, b_shape, *args, **kwargs):  # a [(b,) m, k] @ b [(b,) k, n]
+        batch = a_shape[0] if len(a_shape) == 3 else 1
+        return 2 * batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={aten.baddbmm_: product, aten.addmm_: product})
+
+
 @pytest.mark.parametrize("attention,opts,T,extra", CONFIGS)
 def test_flops_match_flop_counter(monkeypatch, attention, opts, T, extra):
     # the counter sees torch's matmuls: the PyTorch blocks, not the fused kernel (the same algebra)
@@ -41,12 +52,20 @@ def test_flops_match_flop_counter(monkeypatch, attention, opts, T, extra):
     idx = torch.randint(0, 500, (2, T))
     # the math backend spells SDPA out in matmuls, which the counter can see on CPU
     with sdpa_kernel(SDPBackend.MATH):
-        with torch.no_grad(), FlopCounterMode(display=False) as fwd:
+        with torch.no_grad(), counter() as fwd:
             model(idx)
-        with FlopCounterMode(display=False) as train:
+        with counter() as train:
             model(idx, idx)[1].backward()
     assert fwd.get_total_flops() == pytest.approx(forward_flops(shape, T, 2)["total"], rel=0.05)
-    assert train.get_total_flops() == pytest.approx(training_flops(shape, T, 2)["total"], rel=0.05)
+    # training is modelled as 3x the forward; the chunked blocks' hand-derived backward does up to ~7%
+    # more at wide feature maps (Based with qk_dim 8: 45 features against a head of 16)
+    assert train.get_total_flops() == pytest.approx(training_flops(shape, T, 2)["total"], rel=0.08)
+    if attention != "none":  # the mechanism's own share, which can be a few % of the total: on its own
+        floor, floor_shape = _model("none", {}, extra)
+        with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), counter() as base:
+            floor(idx)
+        want = forward_flops(shape, T, 2)["total"] - forward_flops(floor_shape, T, 2)["total"]
+        assert fwd.get_total_flops() - base.get_total_flops() == pytest.approx(want, rel=0.05)
 
 
 @pytest.mark.parametrize("attention,opts,T,extra", CONFIGS[:5] + CONFIGS[-1:] + [
