@@ -210,6 +210,31 @@ def test_a_copy_of_a_patched_model_runs_its_own_weights(calls):
         assert_close(twin(ids).logits, b, 1e-4, "the copy unpatched")
 
 
+def test_a_layer_with_its_own_forward_hook_is_patched_around_it(calls):
+    """accelerate's offloading sets an instance-level forward on layers with parameters: ours wraps
+    it, calls it, and unpatch puts it back."""
+    import functools
+
+    model = tiny_model()
+    layer = model.model.layers[2].linear_attn
+    seen = []
+
+    def hook(module, *args, **kwargs):
+        seen.append(1)
+        return type(module).forward(module, *args, **kwargs)
+
+    layer.forward = functools.partial(hook, layer)
+    ids = torch.randint(0, 97, (1, 20), generator=gen(8))
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert patch_qwen3_next(model) == 2
+        ours = model(ids).logits
+    assert seen == [1, 1] and calls["delta_rule"] == 2  # the hook ran both times, ours inside it
+    assert_close(ours, ref, 1e-4, "logits")
+    unpatch_qwen3_next(model)
+    assert isinstance(layer.__dict__["forward"], functools.partial)
+
+
 def test_unpatch_and_context_manager_restore_transformers(calls):
     model, other = tiny_model(), tiny_model()
     ids = torch.randint(0, 97, (1, 20), generator=gen(6))

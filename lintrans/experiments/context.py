@@ -376,7 +376,10 @@ def _select(runs, mech, T):
 
 def _loss_at_time(run: dict, t: float):
     """Held-out loss of the last evaluation at or before t training seconds (the final one if the run
-    finished sooner: a run that stops early keeps its final loss)."""
+    finished sooner: a run that stops early keeps its final loss); None without a time (every run
+    it would be compared with diverged)."""
+    if t is None:
+        return None
     before = [e for e in run["evals"] if e["seconds"] <= t]
     return before[-1]["val_loss"] if before else None
 
@@ -413,7 +416,7 @@ def summarize(s: dict, runs: list, baselines: dict) -> dict:
     at_long = {m: [r for r in _select(runs, m, longest) if not r.get("diverged")] for m in mechs}
     finish = {m: study.spread([r["train_seconds"] for r in rs]) for m, rs in at_long.items()}
     t_ref = finish[reference]["mean"]
-    t_fast = min(f["mean"] for f in finish.values() if f["mean"] is not None)
+    t_fast = min((f["mean"] for f in finish.values() if f["mean"] is not None), default=None)
     same_time = {m: {"finish_seconds": finish[m],
                      f"val_loss_at_{reference}_finish": study.spread([_loss_at_time(r, t_ref) for r in rs]),
                      "val_loss_at_fastest_finish": study.spread([_loss_at_time(r, t_fast) for r in rs])}

@@ -131,11 +131,12 @@ def _patched_forward(self, *args, **kwargs):
     the model (``copy.deepcopy``) runs its own weights. Not for a patched and an unpatched model of one
     family running at once in two threads: the swap is per Python module."""
     defining = sys.modules[type(self).__module__]
+    own = self.__dict__[_MARK][1]  # an instance forward that was there first (e.g. accelerate's offloading hook)
     saved = [getattr(defining, name) for name in _GLOBAL_NAMES]
     for name, fn in zip(_GLOBAL_NAMES, (chunk_gated_delta_rule, recurrent_gated_delta_rule)):
         setattr(defining, name, fn)
     try:
-        return type(self).forward(self, *args, **kwargs)
+        return own(*args, **kwargs) if own is not None else type(self).forward(self, *args, **kwargs)
     finally:
         for name, fn in zip(_GLOBAL_NAMES, saved):
             setattr(defining, name, fn)
@@ -161,12 +162,9 @@ def patch_qwen3_next(model: torch.nn.Module) -> int:
             module.recurrent_gated_delta_rule = recurrent_gated_delta_rule
             setattr(module, _MARK, ("attributes", saved))
         else:  # the layer calls module-level functions
-            own = module.__dict__.get("forward")
-            if own is not None:  # someone else's wrapper: ours would bypass it
-                raise ValueError(f"{type(module).__name__} already has an instance-level forward (another "
-                                 "patch?); patch_qwen3_next wraps the class's forward only")
-            module.forward = types.MethodType(_patched_forward, module)
+            own = module.__dict__.get("forward")  # kept, called inside ours and restored by unpatch
             setattr(module, _MARK, ("forward", own))
+            module.forward = types.MethodType(_patched_forward, module)
     if count == 0:
         raise ValueError(f"model ({type(model).__name__}) has no Gated DeltaNet layer (a Qwen3-Next-family "
                          "layer calling torch_chunk_gated_delta_rule) to patch")
