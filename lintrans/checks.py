@@ -30,6 +30,12 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
     check_number(name, value, integer=True, low=1, allow_none=allow_none)
 
 
+def check_bool(name: str, value) -> None:
+    """TypeError naming ``name`` unless ``value`` is a bool (1, "yes" and "False" are not)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def check_choice(name: str, value, allowed) -> None:
     """ValueError naming ``name`` and the allowed values when ``value`` is not one of ``allowed``."""
     try:

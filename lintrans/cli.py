@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 
 from . import __version__
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    args.argv = list(argv)  # for records that name the command that made them
+    args.command_line = shlex.join(["lintrans", *argv])  # for records that name the command that made them
     return int(_load(args.command).run(args) or 0)
 
 

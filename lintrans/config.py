@@ -130,7 +130,7 @@ def parse_text(text: str):
     except ValueError:
         pass
     try:
-        return yaml.safe_load(text)
+        return yaml_load(text)  # the same YAML as config files: 1e-3 a number
     except yaml.YAMLError:
         return text
 
@@ -404,7 +404,6 @@ def apply_flags(obj, args: argparse.Namespace, *, dest: str = "key:", label: Lab
 
 
 # ---- files -----------------------------------------------------------------------------------
-
 
 
 def yaml_load(text: str):

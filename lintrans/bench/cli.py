@@ -346,9 +346,8 @@ def run(args) -> int:
         torch.set_num_threads(opts.threads)
     out = Path(opts.out) if opts.out is not None else None
     import dataclasses
-    import shlex
 
-    command = shlex.join(["lintrans", *getattr(args, "argv", sys.argv[1:])])  # the record says what made it
+    command = getattr(args, "command_line", None)  # set by lintrans.cli: the record says what made it
     for which in BENCHMARKS if args.which == "all" else (args.which,):
         run_benchmark(which, prof, device=opts.device, out=out, command=command, settings=dataclasses.asdict(opts))
     return 0

@@ -15,7 +15,6 @@ sets the step time (`lintrans cost` shows the split).
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
 from pathlib import Path
 from typing import Optional
@@ -104,7 +103,7 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"lintrans demo: {e}")
     t0 = time.perf_counter()
-    command = shlex.join(["lintrans", *getattr(args, "argv", ["demo"])])
+    command = getattr(args, "command_line", "lintrans demo")
     prof = profiles()["quick"]
     prof.caps.time_s = args.time_cap
     # several timed repeats per point, and at least two alternating rounds even where one step takes

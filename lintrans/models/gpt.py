@@ -183,9 +183,8 @@ class GPT(nn.Module):
         if self.config.pos_embedding == "learned" and limit == self.config.block_size:
             raise ValueError(f"sequence length {length} exceeds block_size {limit} (learned position embeddings "
                              "cover positions 0..block_size-1)")
-        source = "its max_len" if self.config.attention == "cosformer" else f"block_size {self.config.block_size}"
         raise ValueError(f"sequence length {length} exceeds {limit}, the positions attention {self.config.attention!r} "
-                         f"has parameters for ({source})")
+                         "has parameters for (its max_positions: block_size, or an option such as max_len)")
 
     def _check_idx(self, idx, past: int, check_ids: bool = True) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):

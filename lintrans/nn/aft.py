@@ -18,13 +18,13 @@ import torch
 import torch.nn as nn
 
 from lintrans.ops.aft import (
-    BANDED_RATIO,
     aft,
     aft_last_row,
     aft_simple_state,
     aft_simple_step,
     aft_window_state,
     aft_window_step,
+    uses_band,
 )
 
 from .attention import KVCache, QKVAttention, check_options
@@ -68,7 +68,7 @@ class _AFT(QKVAttention):
             return 4.0 * B * T * D
         if cls.VARIANT in ("local", "conv"):
             W, Hw = cls._band(shape)
-            if T * Hw > BANDED_RATIO * B * shape.n_head * W * shape.head_dim:  # the op's choice: the band
+            if uses_band(T, Hw, B, shape.n_head, W, shape.head_dim):
                 return 4.0 * B * T * W * D
         # weighted sums of exp(K) V and exp(K) over every earlier key (T^2 D each)
         return 4.0 * B * T * T * D

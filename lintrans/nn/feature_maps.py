@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.validation import FLOAT_DTYPES, check_number, check_positive_int, compute_dtype
+from ..ops.validation import FLOAT_DTYPES, check_bool, check_number, check_positive_int, compute_dtype
 from ..ops.feature_maps import feature_dim_for, resolve_feature_map, squared_feature_dim, squared_features
 
 __all__ = [
@@ -52,11 +52,6 @@ def _param_shape(head_dim: int, num_heads: Optional[int], *rest: int) -> tuple[i
     return ((num_heads,) if num_heads is not None else ()) + tuple(rest)
 
 
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-
 class ReBased(nn.Module):
     """ReBased (Aksenov et al. 2024): y = gamma * norm(x) + beta, phi(x) = psi(y) / sqrt(d).
 
@@ -72,7 +67,7 @@ class ReBased(nn.Module):
         self, head_dim: int, *, num_heads: Optional[int] = None, symmetric: bool = True, eps: float = 1e-5
     ) -> None:
         super().__init__()
-        _check_bool("symmetric", symmetric)
+        check_bool("symmetric", symmetric)
         check_number("eps", eps, low=0, low_open=True)  # layer_norm of a constant row divides by sqrt(eps)
         shape = _param_shape(head_dim, num_heads, head_dim)
         self.head_dim, self.num_heads, self.symmetric, self.eps = head_dim, num_heads, symmetric, eps
@@ -113,7 +108,7 @@ class Hedgehog(nn.Module):
         super().__init__()
         feature_dim = head_dim if feature_dim is None else feature_dim
         check_positive_int("feature_dim", feature_dim)
-        _check_bool("bias", bias)
+        check_bool("bias", bias)
         shape = _param_shape(head_dim, num_heads, feature_dim, head_dim)
         self.head_dim, self.num_heads, self.projection_dim = head_dim, num_heads, feature_dim
         self.weight = nn.Parameter(torch.eye(feature_dim, head_dim).expand(shape).clone())  # [(H,) f, d]
@@ -188,7 +183,7 @@ class Performer(nn.Module):
         check_positive_int("head_dim", head_dim)
         check_positive_int("num_features", num_features)
         check_number("seed", seed, integer=True, allow_none=True)
-        _check_bool("orthogonal", orthogonal)
+        check_bool("orthogonal", orthogonal)
         self.head_dim, self.num_features, self.orthogonal, self.num_heads = head_dim, num_features, orthogonal, None
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.register_buffer("projection", torch.empty(num_features, head_dim))  # [m, d]

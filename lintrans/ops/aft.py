@@ -373,6 +373,12 @@ def _simple_reference(k) -> Optional[torch.Tensor]:
     return M if kd.numel() == 0 or float((M[:, 0] - kd[:, 0]).max()) < UNDERFLOW_GAP[k.dtype] else None
 
 
+def uses_band(T: int, Hw: int, B: int, H: int, W: int, D: int) -> bool:
+    """AFT-local/conv's choice: the band [B, H, T, W, D] when it is smaller than the bias matrix
+    [Hw, T, T] (the cost model follows the same choice)."""
+    return T * Hw > BANDED_RATIO * B * H * W * D
+
+
 def _check_one_d(Dk: int, Dv: int) -> None:
     """AFT mixes values per channel: k and v share D. (Beside check_qkv, not around it: its head-first
     warning counts the frames to the user's call.)"""
@@ -427,7 +433,7 @@ def aft(
     else:  # local, conv: whichever of the band [B,H,T,W,D] and the bias matrix [Hw,T,T] is smaller
         band_w, back, fwd = band_bias(variant, pos_bias.to(dtype), window, T, causal)
         Hw = pos_bias.shape[0] if pos_bias.dim() == 3 or variant == "conv" else 1
-        if T * Hw > BANDED_RATIO * B * H * (back + fwd + 1) * Dk:
+        if uses_band(T, Hw, B, H, back + fwd + 1, Dk):
             mean = _aft_banded(kh, vh, band_w, back, fwd, causal)
         else:
             logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]

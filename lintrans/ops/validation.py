@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from lintrans.checks import check_choice, check_number, check_positive_int  # noqa: F401 (the ops import them from here)
+from lintrans.checks import check_bool, check_choice, check_number, check_positive_int  # noqa: F401 (the ops import them from here)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

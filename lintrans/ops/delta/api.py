@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..linear.checks import check_log_decay, log_decay_head_first
-from ..validation import autocast_off, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
+from ..validation import autocast_off, check_bool, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
 from ..native import delta_rule as native_delta
 from . import chunked as _chunked_form
 from .reference import l2_normalized, step, token_loop
@@ -97,8 +97,7 @@ def delta_rule(
         raise ValueError(f"form must be one of {list(DELTA_FORMS)}, got {form!r}")
     check_positive_int("chunk_size", chunk_size, allow_none=True)
     _check_options(scale, l2_normalize)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {output_final_state!r}")
+    check_bool("output_final_state", output_final_state)
     if initial_state is not None:
         _check_state(initial_state, B, H, Dk, Dv, q.device, "initial_state")
     dtype = compute_dtype(q.dtype)
