@@ -9,6 +9,7 @@ from lintrans.bench.cost import (
     speedup_bounds, training_flops,
 )
 from lintrans.models import GPT, GPTConfig
+from lintrans.nn import available_attention
 
 CONFIGS = [
     ("softmax", {}, 96, {}),
@@ -175,11 +176,9 @@ def test_linear_family_cache_is_what_the_layer_keeps(attention, options):
     assert kept == cache_bytes(shape, 9) == cache_bytes(shape, 50)
 
 
-MECHANISM_CASES = [(a, {}) for a in ("softmax", "linear", "retention", "gated-linear", "deltanet", "gated-deltanet",
-                                      "cosformer", "bigbird", "reformer", "sliding-window", "aft-simple", "aft-full",
-                                      "aft-local", "aft-conv", "none")] + [
+MECHANISM_CASES = [(a, {}) for a in sorted(available_attention())] + [  # every registered mechanism, and options
     ("sliding-window", {"global_tokens": [0, 40]}), ("aft-full", {"per_head": True}),
-    ("aft-local", {"window": 8, "per_head": True}), ("aft-conv", {"kernel": 5})]
+    ("aft-local", {"window": 8, "per_head": True}), ("aft-conv", {"kernel": 5})]  # that change what a model has or keeps
 
 
 @pytest.mark.parametrize("n_kv_head", [None, 2])
