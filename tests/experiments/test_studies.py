@@ -257,8 +257,51 @@ def test_recall_hard_setting_is_a_preset_under_set_and_flags(tmp_path, capsys):
     assert main(["experiment", "recall", "--setting", "hard", "--print-settings"]) == 0
     out = capsys.readouterr().out
     assert "pairs: 64" in out and "setting: hard" in out and "vocab_size: 8192" in out
-    assert main(["experiment", "recall", "--setting", "hard", "--pairs", "32", "--print-settings"]) == 0
-    assert "pairs: 32" in capsys.readouterr().out  # a flag wins over the preset
+    assert "train_pairs:\n- 4\n- 8\n- 16\n- 32\n- 64\n" in out and "steps: 4000" in out
+    assert main(["experiment", "recall", "--setting", "hard", "--steps", "2000", "--print-settings"]) == 0
+    assert "steps: 2000" in capsys.readouterr().out  # a flag wins over the preset
+    # a smaller --pairs must come with a mixture it covers
+    assert main(["experiment", "recall", "--setting", "hard", "--pairs", "32", "--print-settings"]) == 2
+    assert "train_pairs ([4, 8, 16, 32, 64]) must not exceed pairs (32)" in capsys.readouterr().err
+    assert main(["experiment", "recall", "--setting", "hard", "--pairs", "32", "--train-pairs", "8", "32",
+                 "--print-settings"]) == 0
+    assert "pairs: 32" in capsys.readouterr().out
+
+
+def test_recall_trains_on_the_train_pairs_mixture_and_scores_at_pairs(tmp_path, monkeypatch):
+    """--train-pairs: the training steps cycle through those pair counts (T = 4P each), while the
+    held-out set, and so the accuracy, stays at --pairs; the run's key holds the mixture only when set."""
+    from lintrans.experiments import recall
+
+    drawn = []
+    real = recall.recall_batch
+
+    def spy(batch, n_pairs, *args, **kw):
+        drawn.append((batch, n_pairs))
+        return real(batch, n_pairs, *args, **kw)
+
+    monkeypatch.setattr(recall, "recall_batch", spy)
+    assert run_cli("recall", tmp_path, "--mechanisms", "softmax", "--shapes", "[[16,2]]", "--seeds", "1",
+                   "--lrs", "1e-3", "--pairs", "4", "--train-pairs", "2", "4", "--steps", "5") == 0
+    assert drawn == [(64, 4)] + [(16, 2), (16, 4)] * 2 + [(16, 2)]  # held-out set first, then the steps
+    settings = json.loads((tmp_path / "recall.json").read_text())["settings"]
+    assert settings["train_pairs"] == [2, 4] and settings["pairs"] == 4
+    assert recall.run_spec(settings, "softmax", [16, 2], 1e-3, 0)["train_pairs"] == [2, 4]
+    plain = recall.run_spec({**recall.DEFAULT}, "softmax", [64, 4], 1e-3, 0)
+    assert "train_pairs" not in plain  # records made before the setting keep their runs' keys
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--pairs", "4", "--train-pairs", "2", "8"], r"train_pairs \(\[2, 8\]\) must not exceed pairs \(4\)"),
+    (["--pairs", "4", "--train-pairs", "4", "2"], "train_pairs must be distinct and increasing"),
+    (["--pairs", "4", "--train-pairs", "0"], "must be an int >= 1"),
+])
+def test_recall_rejects_bad_train_pairs(tmp_path, capsys, extra, match):
+    import re
+
+    assert run_cli("recall", tmp_path, *extra) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_recall_runs_the_delta_rule_and_records_its_state(tmp_path, capsys):
