@@ -31,7 +31,8 @@ ADVISE_FROM_BYTES = 4 * HUGE_PAGE
 def empty(shape, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``torch.empty`` on the CPU for a kernel's output, large ones backed by huge pages where the
     system allows it (``advise_huge_pages``)."""
-    t = torch.empty(shape, dtype=like.dtype if dtype is None else dtype)
+    # on the CPU whatever torch.set_default_device says: the kernel writes through a host pointer
+    t = torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device="cpu")
     advise_huge_pages(t)
     return t
 
@@ -80,8 +81,11 @@ def last_contiguous(x: torch.Tensor) -> torch.Tensor:
 def blas_rows(x: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D], or a contiguous copy where BLAS cannot read one head's [T, D] rows in place:
     it needs unit stride along D and rows at least D apart (a gradient broadcast along T has stride 0
-    there, and BLAS rejects such a leading dimension, skipping the product)."""
-    return x if x.stride(-1) == 1 and x.stride(1) >= x.shape[-1] else x.contiguous()
+    there, and BLAS rejects such a leading dimension, skipping the product). A copy, not
+    ``contiguous()``: torch calls a tensor contiguous whatever the strides of its size-1 dimensions, so
+    at T = 1 that could hand back the same bad T-stride."""
+    ok = x.stride(-1) == 1 and x.stride(1) >= x.shape[-1]
+    return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
 def require(ok: bool, message: str) -> None:

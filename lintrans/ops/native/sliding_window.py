@@ -34,7 +34,9 @@ def _args(q, k, v, window: int, scale: float) -> SlidingWindowArgs:
     a.q, a.k, a.v = ptr(q), ptr(k), ptr(v)
     a.B, a.T, a.H, a.Dk, a.Dv = B, T, H, Dk, v.shape[-1]
     a.sq, a.sk, a.sv = map(strides, (q, k, v))
-    a.block, a.window, a.threads = BLOCK, window, torch.get_num_threads()
+    # a window of T or more is full causal attention: the kernel sees at most T, so a huge int can
+    # neither wrap in int64 nor overflow the kernel's index sums
+    a.block, a.window, a.threads = BLOCK, max(1, min(window, T)), torch.get_num_threads()
     a.scale = float(scale)
     return a
 
