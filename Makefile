@@ -1,7 +1,7 @@
 # `make demo` and `make test` do all set-up on a fresh machine.
 PYTHON ?= python3
 VENV ?= .venv
-# The pinned CPU build of torch; GPU users: see README ("Installing on a GPU machine").
+# The pinned CPU build of torch; GPU users: see docs/gpu.md ("Installing").
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lintrans-installed
