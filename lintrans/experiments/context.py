@@ -323,8 +323,12 @@ def _baselines(s: dict, out, sha: str) -> dict:
 
     from lintrans._io import atomic_write_text
 
+    from . import ngram
+
     key = {"study": NAME, "version": VERSION, "baselines": "ngram", "contexts": s["contexts"],
-           "val_tokens": s["val_tokens"], "corpus_sha256": sha}
+           "val_tokens": s["val_tokens"], "corpus_sha256": sha,
+           # from version 2 on only, so the baselines cached before the field keep their key
+           **({"ngram_version": ngram.VERSION} if ngram.VERSION > 1 else {})}
     path = study.RunStore(out).path(key, ".ngram")  # JSON; not *.json, which are the runs
     if path.is_file():
         return json.loads(path.read_text())

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+# bump when what the baselines compute changes: studies cache them on disk under a key holding it
+VERSION = 1
 ORDERS = {"unigram": 1, "bigram": 2, "trigram": 3}
 ALPHA_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
 

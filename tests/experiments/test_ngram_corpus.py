@@ -134,3 +134,18 @@ def test_loss_by_position_of_a_tiny_model():
             ev["by_position"], rel=1e-6)
     x, y = stream.batch(1)
     assert x.shape == (2, 20) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_cached_baselines_are_recomputed_when_the_ngram_version_changes(tmp_path, monkeypatch):
+    """The context study keeps its n-gram baselines on disk; a cache from an older definition of the
+    baselines (ngram.VERSION) must not be reused, while version 1's key is the one records already hold."""
+    from lintrans.experiments import context, ngram
+
+    computed = []
+    monkeypatch.setattr(context, "_baselines_for", lambda contexts, val: computed.append(1) or {"n": len(computed)})
+    s = {"contexts": [8, 16], "val_tokens": 64}
+    assert context._baselines(s, tmp_path, "abc") == {"n": 1}
+    assert context._baselines(s, tmp_path, "abc") == {"n": 1}  # cached
+    monkeypatch.setattr(ngram, "VERSION", 2)
+    assert context._baselines(s, tmp_path, "abc") == {"n": 2}  # a new definition: computed again
+    assert len(list((tmp_path / "runs").glob("*.ngram"))) == 2
