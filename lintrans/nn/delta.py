@@ -53,10 +53,19 @@ class DeltaNetOptions:
                 "DeltaNet leaves it out by default)"})
 
 
-def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4):
-    """(A_log, dt_bias) [H] as flash-linear-attention's Gated DeltaNet initialises them (A ~ U(0, 16), where
-    Mamba-2 uses U(1, 16); dt as Mamba-2)."""
-    A = torch.empty(n_head).uniform_(0, 16).clamp_(min=1e-4)  # never exactly 0: log(0) = -inf could not learn
+@dataclass
+class GatedDeltaNetOptions(DeltaNetOptions):
+    a_init_max: float = field(default=16.0, metadata={
+        "low": 0, "low_open": True,
+        "help": "A starts uniform in (0, a_init_max) (flash-linear-attention's 16; the state's initial half-life "
+                "ln 2 / (A dt) grows as it shrinks)"})
+
+
+def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4,
+                      a_max: float = 16.0):
+    """(A_log, dt_bias) [H] as flash-linear-attention's Gated DeltaNet initialises them (A ~ U(0, a_max) with
+    a_max = 16, where Mamba-2 uses U(1, 16); dt as Mamba-2)."""
+    A = torch.empty(n_head).uniform_(0, a_max).clamp_(min=min(1e-4, 1e-4 * a_max))  # never 0: log(0) = -inf cannot learn
     dt = torch.exp(torch.rand(n_head) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     dt = dt.clamp(min=dt_floor)
     return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
@@ -104,7 +113,7 @@ class DeltaNet(QKVAttention):
         self.norm_eps = opts["norm_eps"]
         if self.GATED:
             self.a_proj = nn.Linear(C, H, bias=config.bias)
-            A_log, dt_bias = mamba2_decay_init(H)
+            A_log, dt_bias = mamba2_decay_init(H, a_max=opts["a_init_max"])
             self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
 
     def log_decay(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -183,3 +192,4 @@ class GatedDeltaNet(DeltaNet):
 
     NAME = "gated-deltanet"
     GATED = True
+    Options = GatedDeltaNetOptions

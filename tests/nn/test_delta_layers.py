@@ -194,6 +194,26 @@ def test_bad_options_raise_clearly(attention, opts, error, match):
         get_attention(attention)(config(attention, opts))
 
 
+def test_a_init_max_sets_the_range_of_gated_deltanets_initial_A():
+    """A starts uniform in (0, a_init_max): a_init_max = 16 is the default (flash-linear-attention's), a
+    smaller one a slower initial decay with the other parameters drawn as before; deltanet refuses
+    the option and it must be > 0."""
+    def layer(opts):
+        torch.manual_seed(0)
+        return get_attention("gated-deltanet")(config("gated-deltanet", opts, n_head=64, n_embd=256))
+
+    default, same, slow = layer({}), layer({"a_init_max": 16.0}), layer({"a_init_max": 0.01})
+    assert torch.equal(default.A_log, same.A_log)
+    A = slow.A_log.exp()
+    assert 0 < A.min() and A.max() <= 0.01 and A.max() > 0.005  # 64 draws spread over the range
+    torch.testing.assert_close(A, default.A_log.exp() / 1600, rtol=1e-5, atol=0)  # the same uniform draws
+    assert torch.equal(slow.dt_bias, default.dt_bias) and torch.equal(slow.c_attn.weight, default.c_attn.weight)
+    with pytest.raises(ValueError, match=r"unknown attention_options \['a_init_max'\] for 'deltanet'"):
+        get_attention("deltanet")(config("deltanet", {"a_init_max": 1.0}))
+    with pytest.raises(ValueError, match=r"attention_options\['a_init_max'\] must be a number > 0, got 0"):
+        get_attention("gated-deltanet")(config("gated-deltanet", {"a_init_max": 0}))
+
+
 @pytest.mark.parametrize("attention", MECHS)
 @pytest.mark.parametrize("n_kv_head, bias", [(None, True), (2, False)])
 def test_cost_terms(attention, n_kv_head, bias):
