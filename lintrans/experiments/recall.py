@@ -195,6 +195,10 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs), **runner.counts()}
 
 
+def _shape_label(width: int, heads: int) -> str:
+    return f"width {width}, {heads} head{'' if heads == 1 else 's'}"
+
+
 def _select(runs, mech, shape):
     return sorted((r for r in runs if r["attention"] == mech and [r["width"], r["heads"]] == list(shape)),
                   key=lambda r: r["seed"])
@@ -227,7 +231,7 @@ def table(record: dict) -> str:
     trained = f", trained on {s['train_pairs']} pairs" if s.get("train_pairs") else ""
     lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs{trained})")
     for sw in record["sweep"]:
-        lines.append(f"lr per mechanism at width {sw['width']}: {sw['chosen']}")
+        lines.append(f"lr per mechanism at {_shape_label(sw['width'], sw['heads'])}: {sw['chosen']}")
     return "\n".join(lines)
 
 
@@ -257,7 +261,7 @@ def plot(record: dict, out) -> list:
     paths.append(study.save(fig, out / f"{NAME}_state.png"))
 
     shapes = s["shapes"]
-    fig, axes = study.panels([f"width {w}, {h} heads" for w, h in shapes], sharey=True)
+    fig, axes = study.panels([_shape_label(w, h) for w, h in shapes], sharey=True)
     for ax, shape in zip(axes, shapes):
         for i, m in enumerate(mechs):
             rs = _select(record["runs"], m, shape)
@@ -267,5 +271,5 @@ def plot(record: dict, out) -> list:
     paths.append(study.save(fig, out / f"{NAME}_curves.png"))
 
     paths.append(study.plot_sweep(record["sweep"], out / f"{NAME}_lr_sweep.png", setting, "held-out loss at queries",
-                                  panel_title=lambda sw: f"width {sw['width']}, {sw['heads']} heads"))
+                                  panel_title=lambda sw: _shape_label(sw["width"], sw["heads"])))
     return paths
