@@ -241,7 +241,8 @@ def plot(record: dict, out) -> list:
     plt = study.pyplot()
     mechs = s["mechanisms"]
     trained = f" (trained on {'/'.join(map(str, s['train_pairs']))})" if s.get("train_pairs") else ""
-    setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs{trained}, vocabulary {s['vocab_size']}, "
+    # two lines: one panel's figure is too narrow for it on one
+    setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs{trained},\nvocabulary {s['vocab_size']}, "
                f"{s['n_layer']} layers, {s['steps']} steps of {s['batch_size']}")
     paths = []
 

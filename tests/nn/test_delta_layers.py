@@ -214,6 +214,30 @@ def test_a_init_max_sets_the_range_of_gated_deltanets_initial_A():
         get_attention("gated-deltanet")(config("gated-deltanet", {"a_init_max": 0}))
 
 
+def test_gated_deltanet_without_decay_is_deltanet():
+    """With A -> 0 (a decay of 1) and DeltaNet's weights, Gated DeltaNet's output and the gradients of
+    the shared weights are DeltaNet's: the gate adds nothing else (checked when Gated DeltaNet failed
+    the hard recall setting where DeltaNet learned it)."""
+    cfg = dict(n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    dn = get_attention("deltanet")(config("deltanet", {"chunk_size": 4}, **cfg)).double()
+    gd = get_attention("gated-deltanet")(config("gated-deltanet", {"chunk_size": 4}, **cfg)).double()
+    missing = gd.load_state_dict(dn.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["A_log", "a_proj.bias", "a_proj.weight", "dt_bias"]
+    with torch.no_grad():
+        gd.A_log.fill_(-80.0)  # log a = -exp(-80) softplus(.): 1e-35 per token
+    x = torch.randn(2, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(2, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for layer in (dn, gd):
+        y, _ = layer(x)
+        shared = [p for n, p in layer.named_parameters() if n in dn.state_dict()]
+        outs.append((y, torch.autograd.grad((y * w).sum(), shared)))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(outs[1][1], outs[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("attention", MECHS)
 @pytest.mark.parametrize("n_kv_head, bias", [(None, True), (2, False)])
 def test_cost_terms(attention, n_kv_head, bias):
