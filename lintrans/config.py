@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -406,9 +407,9 @@ def apply_flags(obj, args: argparse.Namespace, *, dest: str = "key:", label: Lab
 # ---- files -----------------------------------------------------------------------------------
 
 
-def yaml_load(text: str):
-    """YAML with YAML 1.2's floats: PyYAML's safe loader (YAML 1.1) reads 1e-3 and 3e-4, as people write
-    learning rates, as strings; here they are numbers, as in TOML and JSON."""
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    """PyYAML's safe loader with YAML 1.2's floats, built once (yaml imported on first use)."""
     import re
 
     import yaml
@@ -420,7 +421,15 @@ def yaml_load(text: str):
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
         list("-+0123456789"))
-    return yaml.load(text, Loader=Loader)
+    return Loader
+
+
+def yaml_load(text: str):
+    """YAML with YAML 1.2's floats: PyYAML's safe loader (YAML 1.1) reads 1e-3 and 3e-4, as people write
+    learning rates, as strings; here they are numbers, as in TOML and JSON."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())
 
 
 def read_file(path) -> dict:

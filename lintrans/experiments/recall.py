@@ -195,6 +195,11 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
     return {"settings": s, "sweep": sweep, "runs": runs, "summary": summarize(s, runs), **runner.counts()}
 
 
+def _mixture(s: dict) -> str:
+    """The training mixture, "4/8/16/32/64", or "" when training is at ``pairs`` alone."""
+    return "/".join(map(str, s.get("train_pairs") or []))
+
+
 def _shape_label(width: int, heads: int) -> str:
     return f"width {width}, {heads} head{'' if heads == 1 else 's'}"
 
@@ -228,7 +233,7 @@ def table(record: dict) -> str:
             a = p["accuracy"]["mean"]
             cells.append(f"{('diverged' if a is None else f'{a:.3f}') + ' (%.3g)' % p['state_floats']:>22}")
         lines.append(f"{m:<{w}}" + "".join(cells))
-    trained = f", trained on {s['train_pairs']} pairs" if s.get("train_pairs") else ""
+    trained = f", trained on {_mixture(s)} pairs" if _mixture(s) else ""
     lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs{trained})")
     for sw in record["sweep"]:
         lines.append(f"lr per mechanism at {_shape_label(sw['width'], sw['heads'])}: {sw['chosen']}")
@@ -240,7 +245,7 @@ def plot(record: dict, out) -> list:
     s, summ = record["settings"], record["summary"]
     plt = study.pyplot()
     mechs = s["mechanisms"]
-    trained = f" (trained on {'/'.join(map(str, s['train_pairs']))})" if s.get("train_pairs") else ""
+    trained = f" (trained on {_mixture(s)})" if _mixture(s) else ""
     # two lines: one panel's figure is too narrow for it on one
     setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs{trained},\nvocabulary {s['vocab_size']}, "
                f"{s['n_layer']} layers, {s['steps']} steps of {s['batch_size']}")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .native import aft as native_aft
 from .scan import decayed_scan
-from .validation import check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
+from .validation import check_bool, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
 
 VARIANTS = ("full", "simple", "local", "conv")
 # state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])
@@ -405,8 +405,7 @@ def aft(
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     _check_one_d(Dk, Dv)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     _check_variant_args(variant, pos_bias, window, T, H)
     if variant == "conv" and not causal and pos_bias.shape[-1] % 2 == 0:
         raise ValueError(f"a non-causal conv kernel must have odd width, got pos_bias {tuple(pos_bias.shape)}")

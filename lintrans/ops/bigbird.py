@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_number, check_qkv, compute_dtype
+from .validation import check_bool, check_number, check_qkv, compute_dtype
 
 
 def _check(block_size, window_blocks, global_blocks, random_blocks, seed, causal) -> None:
@@ -31,8 +31,7 @@ def _check(block_size, window_blocks, global_blocks, random_blocks, seed, causal
     check_number("global_blocks", global_blocks, integer=True, low=0)
     check_number("random_blocks", random_blocks, integer=True, low=0)
     check_number("seed", seed, integer=True, low=0, high=2**40)  # seed * 1_000_003 + block must fit 64 bits
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
 
 
 def block_pattern(n_blocks: int, *, window_blocks: int = 3, global_blocks: int = 1, random_blocks: int = 2,

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .linear import linear_attention, linear_attention_step
-from .validation import check_number, check_qkv, compute_dtype
+from .validation import check_bool, check_number, check_qkv, compute_dtype
 
 
 class CosformerState(NamedTuple):
@@ -77,8 +77,7 @@ def cosformer_attention(
     float32 (float64 for float64 inputs) and returned in q's dtype.
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     check_number("eps", eps, low=0)
     dtype = compute_dtype(q.dtype)
     offset = 0

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_choice, check_number, check_tensor, compute_dtype, warn_if_head_first
+from .validation import check_bool, check_choice, check_number, check_tensor, compute_dtype, warn_if_head_first
 
 SELF_SCORE = -1e5  # a token's score with itself (the paper's 10^5 penalty)
 LOOKBACKS = ("chunk", "window")
@@ -47,8 +47,7 @@ def check_lsh_options(n_buckets, n_hashes, chunk_size, seed, causal, lookback) -
     check_number("n_hashes", n_hashes, integer=True, low=1)
     check_number("chunk_size", chunk_size, integer=True, low=1)
     check_number("seed", seed, integer=True, low=0, high=2**63 - 1)  # what torch.manual_seed takes
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     check_choice("lookback", lookback, LOOKBACKS)
 
 

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from .linear.chunked import LOG2E, without_autocast
 from .native import sliding_window as native_sw
-from .validation import check_number, check_positive_int, check_qkv, compute_dtype
+from .validation import check_bool, check_number, check_positive_int, check_qkv, compute_dtype
 
 
 class SlidingWindowCache(NamedTuple):
@@ -86,8 +86,7 @@ def global_positions(global_tokens, T: Optional[int], device=None) -> Optional[t
 def _check_common(window, dilation, causal, scale):
     check_positive_int("window", window)
     check_positive_int("dilation", dilation)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     check_number("scale", scale, allow_none=True)
 
 
@@ -311,8 +310,7 @@ def sliding_window_attention(
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     _check_common(window, dilation, causal, scale)
-    if not isinstance(global_rows, bool):
-        raise TypeError(f"global_rows must be a bool, got {global_rows!r}")
+    check_bool("global_rows", global_rows)
     gidx = global_positions(global_tokens, T, q.device)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .validation import check_number, check_qkv, compute_dtype
+from .validation import check_bool, check_number, check_qkv, compute_dtype
 
 
 def taylor_polynomial(s: torch.Tensor, order: int) -> torch.Tensor:
@@ -40,8 +40,7 @@ def taylor_attention(
     """
     _, T, _, Dk, _ = check_qkv(q, k, v)
     check_number("order", order, integer=True, low=0)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     check_number("scale", scale, allow_none=True)
     if scale is None:
         scale = 1.0 / math.sqrt(Dk)

@@ -130,7 +130,7 @@ class TrainConfig:
         # with init_from the model is the initial weights' (checked when they are read, in the run's plan)
         if self.train.context_parallel > 1 and not self.train.init_from:
             check_context_parallel(gpt.attention, gpt.block_size, self.train.context_parallel)
-        if self.train.parallel == "fsdp" and gpt.reversible and not self.train.init_from:
+        if self.train.parallel == "fsdp" and not self.train.init_from:
             check_fsdp(gpt)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:

@@ -228,10 +228,10 @@ def test_gated_deltanet_without_decay_is_deltanet():
         gd.A_log.fill_(-80.0)  # log a = -exp(-80) softplus(.): 1e-35 per token
     x = torch.randn(2, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     w = torch.randn(2, 11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    outs = []
+    names, outs = dn.state_dict().keys(), []
     for layer in (dn, gd):
         y, _ = layer(x)
-        shared = [p for n, p in layer.named_parameters() if n in dn.state_dict()]
+        shared = [p for n, p in layer.named_parameters() if n in names]
         outs.append((y, torch.autograd.grad((y * w).sum(), shared)))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-12, atol=1e-12)
     for a, b in zip(outs[1][1], outs[0][1]):

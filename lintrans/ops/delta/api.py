@@ -46,8 +46,7 @@ def _check_state(state, B: int, H: int, Dk: int, Dv: int, device, arg: str) -> N
 
 def _check_options(scale, l2_normalize) -> None:
     check_number("scale", scale, allow_none=True)
-    if not isinstance(l2_normalize, bool):
-        raise TypeError(f"l2_normalize must be a bool, got {l2_normalize!r}")
+    check_bool("l2_normalize", l2_normalize)
 
 
 def _prepare(q, k, scale, l2_normalize, dtype):
