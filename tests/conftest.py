@@ -49,10 +49,15 @@ def exact_float32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _documented_chunk_simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
+def _documented_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                                 output_final_state=False):
     """fla's documented contract, step by step: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t;
-    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, states [B, H, K, V]."""
+    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or None, g_gamma [H] (a fixed g_t; no gradient,
+    as fla gives none) or None, states [B, H, K, V]."""
     B, T, H, K = q.shape
+    assert g is None or g_gamma is None, "fla takes one of g and g_gamma"
+    if g_gamma is not None:
+        g = g_gamma.detach().expand(B, T, H)
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
     outs = []
     for t in range(T):

@@ -8,12 +8,13 @@ onto that one call:
 - the feature map is applied here, in torch (fla takes q and k as its features);
 - the normaliser and the state's z come from a column of ones appended to v, as in our own forms:
   its output column is sum_j s_ij (decays and the initial z included), its state column is z;
-- a fixed decay [H] is the per-token one repeated, ``g = log_decay`` [B, T, H].
+- a fixed decay [H] that needs no gradient is fla's ``g_gamma`` [H]; one that does is the per-token
+  decay repeated, ``g`` [B, T, H] (fla returns no gradient for ``g_gamma``).
 
 Inputs are turned into the state dtype (float32) first, so the state is float32 as with the torch
-backend. ``chunk_size`` is not used (fla picks its own chunk). Not verified on hardware by this
-project: no GPU was available when it was written (docs/gpu.md); the equality test against the
-torch backend runs only where CUDA and fla are.
+backend. ``chunk_size`` is not used (fla picks its own chunk). Checked against the torch backend on
+an H100 (docs/gpu.md); that test runs only where CUDA and fla are. fla 0.6.0 refuses the backward
+of a per-token decay on Hopper GPUs with Triton < 3.7.1 (its issue #640) with its own RuntimeError.
 """
 from __future__ import annotations
 
@@ -58,13 +59,16 @@ def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, sca
     vs = v.to(fq.dtype)
     if ones:  # the normaliser column: output sum_j s_ij, state z
         vs = torch.cat([vs, torch.ones(B, T, H, 1, dtype=fq.dtype, device=fq.device)], dim=-1)
-    g = None
+    g = g_gamma = None
     if log_decay is not None:
         g = log_decay.to(fq.dtype)
-        g = g.expand(B, T, H).contiguous() if g.dim() == 1 else g
+        if g.dim() == 1 and not g.requires_grad:
+            g, g_gamma = None, g
+        elif g.dim() == 1:
+            g = g.expand(B, T, H).contiguous()
     with autocast_off(fq.device):
-        y, S_end = chunk_simple_gla(fq.contiguous(), fk.contiguous(), vs.contiguous(), g, scale=scale,
-                                    initial_state=S0, output_final_state=output_final_state)
+        y, S_end = chunk_simple_gla(fq.contiguous(), fk.contiguous(), vs.contiguous(), g, g_gamma=g_gamma,
+                                    scale=scale, initial_state=S0, output_final_state=output_final_state)
         o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]
     state = (S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None
     return o.to(q.dtype), state

@@ -1,6 +1,6 @@
 """The delta rule on a real CUDA device (skipped without one): both forms and the decoding step against
 the float64 reference on the CPU (outputs, final states, every gradient), 16-bit inputs, and
-flash-linear-attention's Triton ``chunk_gated_delta_rule`` where ``fla`` imports."""
+flash-linear-attention's Triton ``chunk_delta_rule`` / ``chunk_gated_delta_rule`` where ``fla`` imports."""
 import pytest
 import torch
 
@@ -88,36 +88,42 @@ def test_16_bit_inputs_on_cuda_are_computed_in_float32(dtype):
     torch.testing.assert_close(o.float(), o32, rtol=1e-2, atol=1e-2 * o32.abs().max().item())
 
 
-def _fla_chunk():
+def _fla_chunk(gated):
+    """fla's ``chunk_gated_delta_rule`` (gated) or ``chunk_delta_rule`` (DeltaNet, no gate), or a skip."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        if gated:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        else:
+            from fla.ops.delta_rule import chunk_delta_rule as fn
     except Exception as e:  # not installed, or its import fails (Triton)
         pytest.skip(f"flash-linear-attention is not importable here ({type(e).__name__}: {e})")
-    return chunk_gated_delta_rule
+    return fn
 
 
 @pytest.mark.parametrize("gate", [None, "token"])
 @pytest.mark.parametrize("T", [1, 100])
 @pytest.mark.parametrize("backward", [False, True])
 def test_fla_chunk_gated_delta_rule_matches_ours_on_cuda(gate, T, backward):
-    """fla's Triton kernel against ours on the same float32 CUDA tensors: outputs and final states, and
-    with ``backward`` the gradients of q, k, v, beta, the gate and the state. Tolerances allow TF32
-    (Triton's float32 dot products round inputs to 10-bit mantissas), relative to each quantity's size.
-    fla refuses gated backward passes where its Triton miscompiles them (Hopper with Triton < 3.7.1):
-    that case is skipped with fla's reason, not failed."""
-    fla_chunk = _fla_chunk()
+    """fla's Triton kernels against ours on the same float32 CUDA tensors: outputs and final states, and
+    with ``backward`` the gradients of q, k, v, beta, the gate and the state. Without a gate, fla's
+    ``chunk_delta_rule``; with one, ``chunk_gated_delta_rule``. Tolerances allow TF32 (Triton's float32
+    dot products round inputs to 10-bit mantissas), relative to each quantity's size. fla refuses gated
+    backward passes where its Triton miscompiles them (Hopper with Triton < 3.7.1): that case is
+    skipped with fla's reason, not failed."""
+    fla_chunk = _fla_chunk(gate is not None)
     B, H, D = 2, 2, 64
     q, k, v, beta, ld, S0 = _case(B, T, H, D, D, "token")
     beta = beta / 1.5  # fla's default: beta in [0, 1]
-    if gate is None:
-        ld = torch.zeros_like(ld)
-    ts = [t.to(DEVICE, torch.float32) for t in (q, k, v, beta, ld, S0)]
+    ts = [t.to(DEVICE, torch.float32) for t in (q, k, v, beta) + ((ld,) if gate else ()) + (S0,)]
 
-    def theirs(q_, k_, v_, b_, g_, S0_):
-        return fla_chunk(q_, k_, v_, g_, b_, initial_state=S0_, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    def theirs(q_, k_, v_, b_, *rest):
+        S0_ = rest[-1]
+        kw = dict(initial_state=S0_, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return fla_chunk(q_, k_, v_, rest[0], b_, **kw) if gate else fla_chunk(q_, k_, v_, b_, **kw)
 
-    def ours(q_, k_, v_, b_, g_, S0_):
-        return delta_rule(q_, k_, v_, b_, log_decay=g_, initial_state=S0_, output_final_state=True)
+    def ours(q_, k_, v_, b_, *rest):
+        return delta_rule(q_, k_, v_, b_, log_decay=rest[0] if gate else None, initial_state=rest[-1],
+                          output_final_state=True)
 
     if backward:
         try:
@@ -130,7 +136,8 @@ def test_fla_chunk_gated_delta_rule_matches_ours_on_cuda(gate, T, backward):
     else:
         with torch.no_grad():
             got, want = list(theirs(*ts)), list(ours(*ts))
-    names = ("o", "S", "dq", "dk", "dv", "dbeta", "dg", "dS0")
+    assert len(got) == len(want) == (len(ts) + 2 if backward else 2)
+    names = ("o", "S", "dq", "dk", "dv", "dbeta") + (("dg",) if gate else ()) + ("dS0",)
     for name, a, b in zip(names, got, want):
         err = (a.float() - b.float()).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{name}: max abs error {err:.3g}"

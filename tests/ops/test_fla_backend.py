@@ -45,9 +45,21 @@ def test_fla_refuses_float64_and_missing_fla(monkeypatch):
         linear_attention(q, k, v, backend="fla")
 
 
+DECAYS = [None, "gate", "fixed", "fixed-trained"]
+
+
+def _log_decay(decay, B, T, H, g):
+    """None, a per-token gate [B, T, H] or a fixed decay [H] (fla's g_gamma), each as a leaf; the gate and
+    "fixed-trained" ask for their gradient (a trained fixed decay goes to fla as a per-token g)."""
+    if decay is None:
+        return None
+    ld = -torch.rand(B, T, H, generator=g) if decay == "gate" else -torch.rand(H, generator=g)
+    return ld.requires_grad_(decay in ("gate", "fixed-trained"))
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "identity", "based", "rebased"])
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("decay", [None, "gate", "fixed"])
+@pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("T", [1, 11])
 def test_dispatch_matches_the_reference(stand_in_fla, feature_map, normalize, decay, T):
     """Feature map, normaliser column, scale, decay, initial state and final (S, z) around the kernel,
@@ -62,27 +74,30 @@ def test_dispatch_matches_the_reference(stand_in_fla, feature_map, normalize, de
     fm = ReBased(Dk) if feature_map == "rebased" else feature_map
     phi = resolve_feature_map(fm)[1]
     g = torch.Generator().manual_seed(3)
-    ld = {None: None, "gate": -torch.rand(B, T, H, generator=g), "fixed": -torch.rand(H, generator=g)}[decay]
+    ld = _log_decay(decay, B, T, H, g)
     # the initial state is one a prefix of 3 tokens leaves (S = sum phi(k) v^T, z = sum phi(k)), so
     # q . z is a sum of the kernel's values as in use, not a random projection that can be near zero
     k0, v0 = torch.randn(B, 3, H, Dk, generator=g), torch.randn(B, 3, H, Dv, generator=g)
     with torch.no_grad():
         fk0 = phi(k0.abs() if feature_map == "identity" and normalize else k0)  # [B, 3, H, F]
     S0 = (torch.einsum("bthf,bthv->bhfv", fk0, v0), fk0.sum(1))
-    kw = dict(feature_map=fm, normalize=normalize, scale=0.7, log_decay=ld, initial_state=S0)
+    kw = dict(feature_map=fm, normalize=normalize, scale=0.7, initial_state=S0)
     grads = {}
     for backend in ("fla", "torch"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o, (S, z) = linear_attention(*leaves, backend=backend, output_final_state=True, **kw)
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad or t.dim() == 4)
+                  for t in (q, k, v) + (() if ld is None else (ld,))]
+        o, (S, z) = linear_attention(*leaves[:3], backend=backend, output_final_state=True,
+                                     log_decay=leaves[3] if ld is not None else None, **kw)
         (o.square().sum() + S.sum() + z.sum()).backward()
-        grads[backend] = [t.grad for t in leaves]
+        grads[backend] = [t.grad for t in leaves if t.requires_grad]
         if backend == "fla":
             assert o.dtype == torch.float32 and S.dtype == z.dtype == torch.float32
-            o_ref, (S_ref, z_ref) = linear_attention_reference(q, k, v, **kw)
+            o_ref, (S_ref, z_ref) = linear_attention_reference(q, k, v, log_decay=ld, **kw)
             torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(S.double(), S_ref, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(z.double(), z_ref, rtol=1e-4, atol=1e-5)
-    for a, b in zip(grads["fla"], grads["torch"]):
+    assert len(grads["fla"]) == 3 + (decay in ("gate", "fixed-trained"))
+    for a, b in zip(grads["fla"], grads["torch"], strict=True):
         # float32 sums carry errors relative to their largest terms, not to the result: without the
         # normaliser the gradients grow with T, so an entry near zero may differ by ~eps * max|grad|
         torch.testing.assert_close(a, b, rtol=1e-4, atol=max(1e-4, 1e-5 * b.abs().max().item()))
@@ -101,24 +116,39 @@ def test_dispatch_without_state_or_normaliser(stand_in_fla):
                     reason="needs a CUDA device and flash-linear-attention")
 @pytest.mark.parametrize("feature_map", ["elu", "identity"])
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("decay", [None, "gate", "fixed"])
+@pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("T", [1, 100, 256])
 def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
-    """The real kernels against the torch backend, outputs, final states and gradients. Tolerances
-    allow TF32 (Triton's float32 dot products round inputs to 10-bit mantissas)."""
+    """The real kernels against the torch backend: outputs and final states, then the gradients of q, k,
+    v and a trained decay. Tolerances allow TF32 (Triton's float32 dot products round inputs to 10-bit
+    mantissas). Where fla itself refuses a backward pass (a per-token decay on Hopper with Triton <
+    3.7.1, its issue #640), the forward has been compared and the case is skipped with fla's reason."""
     B, H, Dk, Dv = 2, 3, 32, 48
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, d, generator=g).cuda() for d in (Dk, Dk, Dv))
-    ld = {None: None, "gate": -torch.rand(B, T, H, generator=g) * 0.1, "fixed": -torch.rand(H, generator=g) * 0.1}
-    ld = None if ld[decay] is None else ld[decay].cuda()
+    ld = _log_decay(decay, B, T, H, g)
+    ld = None if ld is None else (ld.detach() * 0.1).cuda().requires_grad_(ld.requires_grad)
     S0 = (torch.randn(B, H, Dk, Dv, generator=g).cuda() * 0.1, torch.rand(B, H, Dk, generator=g).cuda() + 0.5)
-    kw = dict(feature_map=feature_map, normalize=normalize, scale=Dk**-0.5, log_decay=ld, initial_state=S0,
+    kw = dict(feature_map=feature_map, normalize=normalize, scale=Dk**-0.5, initial_state=S0,
               output_final_state=True)
-    results = {}
-    for backend in ("fla", "torch"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o, (S, z) = linear_attention(*leaves, backend=backend, **kw)
-        (o.square().sum() + S.sum() + z.sum()).backward()
-        results[backend] = [o, S, z, *(t.grad for t in leaves)]
-    for name, a, b in zip(("o", "S", "z", "dq", "dk", "dv"), results["fla"], results["torch"]):
+    results, refused = {}, None
+    for backend in ("torch", "fla"):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad or t.dim() == 4)
+                  for t in (q, k, v) + (() if ld is None else (ld,))]
+        o, (S, z) = linear_attention(*leaves[:3], backend=backend, log_decay=leaves[3] if ld is not None else None,
+                                     **kw)
+        results[backend] = [o.detach(), S.detach(), z.detach()]
+        try:
+            (o.square().sum() + S.sum() + z.sum()).backward()
+        except RuntimeError as e:
+            if backend != "fla" or "#640" not in str(e):
+                raise
+            refused = str(e)
+            continue
+        results[backend] += [t.grad for t in leaves if t.requires_grad]
+    names = ("o", "S", "z", "dq", "dk", "dv", "dlog_decay")
+    for name, a, b in zip(names, results["fla"], results["torch"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+    if refused:
+        pytest.skip(f"forward equal; fla refused the backward pass: {refused}")
+    assert len(results["fla"]) == len(results["torch"])
