@@ -13,8 +13,9 @@ onto that one call:
 
 Inputs are turned into the state dtype (float32) first, so the state is float32 as with the torch
 backend. ``chunk_size`` is not used (fla picks its own chunk). Checked against the torch backend on
-an H100 (docs/gpu.md); that test runs only where CUDA and fla are. fla 0.6.0 refuses the backward
-of a per-token decay on Hopper GPUs with Triton < 3.7.1 (its issue #640) with its own RuntimeError.
+an H100 without a decay, forward and backward (docs/results/gpu-fla); the decayed paths only on the
+CPU, with a stand-in for fla. fla 0.6.0 refuses the backward of a per-token decay on Hopper GPUs with
+Triton < 3.7.1 (its issue #640) with its own RuntimeError.
 """
 from __future__ import annotations
 
