@@ -28,7 +28,9 @@ width 64, with 4 heads of 16 or one head of 64 (a head's key space smaller than,
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +153,27 @@ def _query_logits(model: ShiftGPT, idx, targets):
     return model.gpt.lm_head(model.hidden(idx)[asked]), targets[asked]  # [N,V], [N]
 
 
+def decay_half_lives(model: ShiftGPT, idx: torch.Tensor) -> Optional[list]:
+    """Per layer and head of a gated delta-rule layer, ln 2 / mean(-log a_t) over idx's tokens: the state's
+    half-life in tokens under the decay the layer computes for these inputs. None without such layers."""
+    layers = [m for m in model.modules() if getattr(m, "GATED", False) and hasattr(m, "A_log")]
+    if not layers:
+        return None
+    rates = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: rates.append(-mod.log_decay(args[0]).mean((0, 1))))
+             for m in layers]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model.hidden(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return [[round(math.log(2) / max(r, 1e-30), 4) for r in layer.tolist()] for layer in rates]
+
+
 def run(spec: dict, env: study.RunEnv) -> dict:
     T = 4 * spec["pairs"]
     # linear attention in its quadratic form: the same function, fastest at T <= 256 on a CPU
@@ -172,8 +195,12 @@ def run(spec: dict, env: study.RunEnv) -> dict:
         return {"loss": F.cross_entropy(logits, answers).item(),
                 "accuracy": (logits.argmax(-1) == answers).float().mean().item()}
 
+    probe = held_out[0][:64]
+    half_lives = decay_half_lives(model, probe)
     out = study.train(model, lr=spec["lr"], steps=spec["steps"], loss_at=loss_at, evaluate=evaluate,
                       eval_every=spec["eval_every"], env=env)
+    if half_lives is not None:  # a gated delta rule: how training moved its memory (docs/experiments.md)
+        out.update(decay_half_lives_start=half_lives, decay_half_lives_end=decay_half_lives(model, probe))
     final = out["evals"][-1] if not out["diverged"] else {"loss": None, "accuracy": None}
     out.update(params=study.param_count(model), state_floats=state_floats(model.gpt, T),
                final_loss=final["loss"], accuracy=final["accuracy"])

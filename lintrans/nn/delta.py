@@ -59,6 +59,9 @@ class GatedDeltaNetOptions(DeltaNetOptions):
         "low": 0, "low_open": True,
         "help": "A starts uniform in (0, a_init_max) (flash-linear-attention's 16; the state's initial half-life "
                 "ln 2 / (A dt) grows as it shrinks)"})
+    decay_trainable: bool = field(default=True, metadata={
+        "help": "false: the decay's parameters (A_log, dt_bias, W_a) keep their initial values (an ablation: "
+                "does training the decay make it forget?)"})
 
 
 def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt_floor: float = 1e-4,
@@ -115,6 +118,9 @@ class DeltaNet(QKVAttention):
             self.a_proj = nn.Linear(C, H, bias=config.bias)
             A_log, dt_bias = mamba2_decay_init(H, a_max=opts["a_init_max"])
             self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
+            if not opts["decay_trainable"]:
+                for p in (self.A_log, self.dt_bias, *self.a_proj.parameters()):
+                    p.requires_grad_(False)
 
     def log_decay(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """log a [B, T, H] (<= 0), None for deltanet."""

@@ -3,6 +3,7 @@ here asserts a scientific outcome or times anything."""
 import json
 
 import pytest
+import torch
 
 from lintrans.cli import main
 from lintrans.experiments.cli import default_out
@@ -313,6 +314,42 @@ def test_recall_runs_the_delta_rule_and_records_its_state(tmp_path, capsys):
             h = p["width"] // p["heads"]
             assert p["state_floats"] == p["heads"] * h * h + 3 * 3 * p["width"]
             assert p["accuracy"]["n"] == 1
+    runs = [json.loads(f.read_text()) for f in (tmp_path / "runs").glob("*.json")]
+    for r in runs:  # the gated layer records its half-lives per layer and head, before and after training
+        gated = r["spec"]["attention"] == "gated-deltanet"
+        for key in ("decay_half_lives_start", "decay_half_lives_end"):
+            assert (key in r["result"]) == gated
+            if gated:
+                lives = r["result"][key]
+                assert len(lives) == r["spec"]["n_layer"] and {len(x) for x in lives} == {r["spec"]["heads"]}
+                assert all(x > 0 for layer in lives for x in layer)
+
+
+def test_decay_half_lives_are_ln2_over_the_mean_decay_rate():
+    """With W_a = 0 the decay rate is exp(A_log) softplus(dt_bias) at every token: the recorded
+    half-life is ln 2 over it, per layer and head; a model without a gated delta layer records none."""
+    import math
+
+    from lintrans.experiments import recall
+    from lintrans.experiments.models import gpt_config
+
+    def model(attention):
+        torch.manual_seed(0)
+        return recall.ShiftGPT(gpt_config(attention, n_layer=2, n_head=3, n_embd=12, block_size=8, vocab_size=16))
+
+    m = model("gated-deltanet")
+    layers = [b.attn for b in m.gpt.transformer.h]
+    for a in layers:
+        torch.nn.init.zeros_(a.a_proj.weight)
+        if a.a_proj.bias is not None:
+            torch.nn.init.zeros_(a.a_proj.bias)
+    idx = torch.randint(0, 16, (4, 8))
+    want = [[math.log(2) / (A * torch.nn.functional.softplus(d)).item() for A, d in zip(a.A_log.exp(), a.dt_bias)]
+            for a in layers]
+    got = recall.decay_half_lives(m, idx)
+    assert len(got) == 2 and all(g == pytest.approx(w, rel=1e-3) for g, w in zip(got, want))
+    assert m.training  # left as it was
+    assert recall.decay_half_lives(model("deltanet"), idx) is None
 
 
 def test_distill_baseline_is_scored_on_the_models_held_out_tokens():

@@ -214,6 +214,27 @@ def test_a_init_max_sets_the_range_of_gated_deltanets_initial_A():
         get_attention("gated-deltanet")(config("gated-deltanet", {"a_init_max": 0}))
 
 
+def test_decay_trainable_false_freezes_only_the_decay():
+    """decay_trainable=False (an ablation): A_log, dt_bias and W_a get no gradient and keep their values
+    through an optimizer step, everything else trains; the default trains them; deltanet refuses it."""
+    def layer(opts):
+        torch.manual_seed(0)
+        return get_attention("gated-deltanet")(config("gated-deltanet", {"chunk_size": 4, **opts}, n_head=2, n_embd=16))
+
+    frozen, default = layer({"decay_trainable": False}), layer({})
+    decay = {"A_log", "dt_bias"} | {f"a_proj.{n}" for n, _ in frozen.a_proj.named_parameters()}
+    assert {n for n, p in default.named_parameters() if p.requires_grad} >= decay
+    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == decay
+    before = {n: p.detach().clone() for n, p in frozen.named_parameters()}
+    opt = torch.optim.AdamW([p for p in frozen.parameters() if p.requires_grad], lr=1e-2)
+    frozen(torch.randn(2, 5, 16))[0].square().sum().backward()  # (output, cache)
+    opt.step()
+    for n, p in frozen.named_parameters():
+        assert torch.equal(p, before[n]) == (n in decay), n
+    with pytest.raises(ValueError, match=r"unknown attention_options \['decay_trainable'\] for 'deltanet'"):
+        get_attention("deltanet")(config("deltanet", {"decay_trainable": False}))
+
+
 def test_gated_deltanet_without_decay_is_deltanet():
     """With A -> 0 (a decay of 1) and DeltaNet's weights, Gated DeltaNet's output and the gradients of
     the shared weights are DeltaNet's: the gate adds nothing else (checked when Gated DeltaNet failed
