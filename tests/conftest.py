@@ -49,6 +49,9 @@ def exact_float32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+FLA_CALLS = []  # the stand-in's (g shape or None, g_gamma shape or None) per call, for dispatch tests
+
+
 def _documented_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
                                  output_final_state=False):
     """fla's documented contract, step by step: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t;
@@ -56,6 +59,7 @@ def _documented_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, init
     as fla gives none) or None, states [B, H, K, V]."""
     B, T, H, K = q.shape
     assert g is None or g_gamma is None, "fla takes one of g and g_gamma"
+    FLA_CALLS.append((None if g is None else tuple(g.shape), None if g_gamma is None else tuple(g_gamma.shape)))
     if g_gamma is not None:
         g = g_gamma.detach().expand(B, T, H)
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
@@ -70,7 +74,8 @@ def _documented_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, init
 
 @pytest.fixture
 def stand_in_fla(monkeypatch):
-    """fla replaced by the documented recurrence, and the CPU let through: what runs is our side."""
+    """fla replaced by the documented recurrence, and the CPU let through: what runs is our side. Returns
+    the list of what each call passed as g and g_gamma (their shapes, or None)."""
     simple_gla = types.ModuleType("fla.ops.simple_gla")
     simple_gla.chunk_simple_gla = _documented_chunk_simple_gla
     for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
@@ -79,3 +84,5 @@ def stand_in_fla(monkeypatch):
     from lintrans.ops import fla_backend
 
     monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
+    FLA_CALLS.clear()
+    return FLA_CALLS  # what the stand-in was given: (g's shape, g_gamma's shape) per call

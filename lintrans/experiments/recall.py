@@ -171,7 +171,7 @@ def decay_half_lives(model: ShiftGPT, idx: torch.Tensor) -> Optional[list]:
         for h in hooks:
             h.remove()
         model.train(was_training)
-    return [[round(math.log(2) / max(r, 1e-30), 4) for r in layer.tolist()] for layer in rates]
+    return [[float(f"{math.log(2) / max(r, 1e-30):.4g}") for r in layer.tolist()] for layer in rates]
 
 
 def run(spec: dict, env: study.RunEnv) -> dict:

@@ -9,13 +9,16 @@ onto that one call:
 - the normaliser and the state's z come from a column of ones appended to v, as in our own forms:
   its output column is sum_j s_ij (decays and the initial z included), its state column is z;
 - a fixed decay [H] that needs no gradient is fla's ``g_gamma`` [H]; one that does is the per-token
-  decay repeated, ``g`` [B, T, H] (fla returns no gradient for ``g_gamma``).
+  decay repeated, ``g`` [B, T, H] (fla returns no gradient for ``g_gamma``). Where fla refuses a
+  decayed backward (below), ``g`` is used whenever a backward may follow, so that fla's refusal
+  applies: its ``g_gamma`` backward has the pattern its issue #640 names as miscompiled there but is
+  not guarded (fla 0.6.0).
 
 Inputs are turned into the state dtype (float32) first, so the state is float32 as with the torch
 backend. ``chunk_size`` is not used (fla picks its own chunk). Checked against the torch backend on
-an H100 without a decay, forward and backward (docs/results/gpu-fla); the decayed paths only on the
-CPU, with a stand-in for fla. fla 0.6.0 refuses the backward of a per-token decay on Hopper GPUs with
-Triton < 3.7.1 (its issue #640) with its own RuntimeError.
+an H100 without a decay, forward and backward, at T = 1 and 100 (docs/results/gpu-fla); the decayed
+paths only on the CPU, with a stand-in for fla. fla 0.6.0 refuses every decayed backward pass (``g``)
+on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (its issue #640) with its own RuntimeError.
 """
 from __future__ import annotations
 
@@ -49,6 +52,15 @@ def check_fla_case(q: torch.Tensor, form: str) -> None:
                          "use backend='torch'")
 
 
+def _decayed_backward_refused() -> bool:
+    """True where fla refuses a decayed backward (Hopper with 3.4 <= Triton < 3.7.1; fla's own test)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # another fla version: no such refusal known
+        return False
+    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+
+
 def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, scale: float, eps: float,
                          output_final_state: bool):
     """fq, fk [B, T, H, F] features in the state dtype, S0 None or [B, H, F, Dv + 1] (z as the last
@@ -63,7 +75,9 @@ def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, sca
     g = g_gamma = None
     if log_decay is not None:
         g = log_decay.to(fq.dtype)
-        if g.dim() == 1 and not g.requires_grad:
+        grad = torch.is_grad_enabled()
+        backward = grad and any(t.requires_grad for t in (fq, fk, vs, g) + (() if S0 is None else (S0,)))
+        if g.dim() == 1 and not (grad and g.requires_grad) and not (backward and _decayed_backward_refused()):
             g, g_gamma = None, g
         elif g.dim() == 1:
             g = g.expand(B, T, H).contiguous()

@@ -325,28 +325,31 @@ def test_recall_runs_the_delta_rule_and_records_its_state(tmp_path, capsys):
                 assert all(x > 0 for layer in lives for x in layer)
 
 
-def test_decay_half_lives_are_ln2_over_the_mean_decay_rate():
-    """With W_a = 0 the decay rate is exp(A_log) softplus(dt_bias) at every token: the recorded
-    half-life is ln 2 over it, per layer and head; a model without a gated delta layer records none."""
+def test_decay_half_lives_are_ln2_over_the_mean_decay_rate(monkeypatch):
+    """The recorded half-life per layer and head is ln 2 over the mean of -log a_t that the layer's op
+    actually receives on these inputs; a model without a gated delta layer records none."""
     import math
 
     from lintrans.experiments import recall
     from lintrans.experiments.models import gpt_config
+    from lintrans.nn import delta
 
     def model(attention):
         torch.manual_seed(0)
         return recall.ShiftGPT(gpt_config(attention, n_layer=2, n_head=3, n_embd=12, block_size=8, vocab_size=16))
 
     m = model("gated-deltanet")
-    layers = [b.attn for b in m.gpt.transformer.h]
-    for a in layers:
-        torch.nn.init.zeros_(a.a_proj.weight)
-        if a.a_proj.bias is not None:
-            torch.nn.init.zeros_(a.a_proj.bias)
     idx = torch.randint(0, 16, (4, 8))
-    want = [[math.log(2) / (A * torch.nn.functional.softplus(d)).item() for A, d in zip(a.A_log.exp(), a.dt_bias)]
-            for a in layers]
+    received, op = [], delta.delta_rule
+
+    def spy(*args, log_decay=None, **kw):
+        received.append(log_decay)
+        return op(*args, log_decay=log_decay, **kw)
+
+    monkeypatch.setattr(delta, "delta_rule", spy)
     got = recall.decay_half_lives(m, idx)
+    assert len(received) == 2  # one forward, two layers
+    want = [[math.log(2) / r for r in (-ld).mean((0, 1)).tolist()] for ld in received]
     assert len(got) == 2 and all(g == pytest.approx(w, rel=1e-3) for g, w in zip(got, want))
     assert m.training  # left as it was
     assert recall.decay_half_lives(model("deltanet"), idx) is None

@@ -103,7 +103,7 @@ def _fla_chunk(gated):
 @pytest.mark.parametrize("gate", [None, "token"])
 @pytest.mark.parametrize("T", [1, 100])
 @pytest.mark.parametrize("backward", [False, True])
-def test_fla_chunk_gated_delta_rule_matches_ours_on_cuda(gate, T, backward):
+def test_fla_delta_rule_kernels_match_ours_on_cuda(gate, T, backward):
     """fla's Triton kernels against ours on the same CUDA tensors: outputs and final states, and with
     ``backward`` the gradients of q, k, v, beta, the gate and the state. With a gate, fla's
     ``chunk_gated_delta_rule`` in float32, tolerances allowing TF32 (Triton's float32 dot products round

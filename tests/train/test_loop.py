@@ -175,6 +175,24 @@ def test_weight_decay_on_matrices_only(tiny_config):
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+def test_frozen_decay_stays_frozen_under_weight_decay(tiny_config):
+    """gated-deltanet with decay_trainable=False: the optimizer leaves A_log, dt_bias and W_a out (weight
+    decay would otherwise move W_a), and a step changes every other parameter."""
+    cfg = tiny_config(**{"model.attention": "gated-deltanet",
+                         "model.attention_options": {"decay_trainable": False, "chunk_size": 4}})
+    model = GPT(cfg.gpt_config(vocab_size=320))
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.split(".")[-1] in ("A_log", "dt_bias") or ".a_proj." in n for n in frozen)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters())) - len(frozen)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    idx = torch.randint(0, 320, (2, 8))
+    model(idx, targets=idx)[1].backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) == (n in frozen), n
+
+
 def test_bf16_autocast_on_cpu_trains(tiny_config):
     result = train(tiny_config(**{"train.precision": "bf16", "train.max_steps": 2}))
     assert all(math.isfinite(v) for v in result.losses.values())
