@@ -1,9 +1,9 @@
 """Ablation: is Gated DeltaNet's failure at the hard MQAR point its layer, or its initial draw?
 
-Trains one recall run (the hard preset, width 64, one head, rate 2e-3, seed 0) of `mechanism`, with every
-weight the two layers share copied from `donor` built at the same seed; the weights only the gated layer
-has (A_log, dt_bias, W_a) keep their own draws. Usage, from the repository root:
-  python docs/results/experiments/recall-hard/swapped-init/run.py MECHANISM DONOR OUT.json"""
+Trains one recall run (the hard preset, width 64, one head, rate 2e-3, seed SEED, default 0) of
+`mechanism`, with every weight the two layers share copied from `donor` built at the same seed; the
+weights only the gated layer has (A_log, dt_bias, W_a) keep their own draws. Usage, from the repository root:
+  python docs/results/experiments/recall-hard/swapped-init/run.py MECHANISM DONOR OUT.json [SEED]"""
 import json
 import platform
 import sys
@@ -15,9 +15,10 @@ from lintrans.experiments import recall, study
 from lintrans.experiments.models import gpt_config
 
 mechanism, donor, out = sys.argv[1:4]
+seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 torch.set_num_threads(1)
 settings = {**recall.DEFAULT, **recall.PRESETS["hard"]}
-spec = recall.run_spec(settings, mechanism, [64, 1], 2e-3, 0)
+spec = recall.run_spec(settings, mechanism, [64, 1], 2e-3, seed)
 built = recall.ShiftGPT
 copied = {}
 
