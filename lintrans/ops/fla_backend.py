@@ -75,9 +75,9 @@ def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, sca
     g = g_gamma = None
     if log_decay is not None:
         g = log_decay.to(fq.dtype)
-        grad = torch.is_grad_enabled()
-        backward = grad and any(t.requires_grad for t in (fq, fk, vs, g) + (() if S0 is None else (S0,)))
-        if g.dim() == 1 and not (grad and g.requires_grad) and not (backward and _decayed_backward_refused()):
+        backward = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (fq, fk, vs, g) + (() if S0 is None else (S0,)))
+        if g.dim() == 1 and not (backward and (g.requires_grad or _decayed_backward_refused())):
             g, g_gamma = None, g
         elif g.dim() == 1:
             g = g.expand(B, T, H).contiguous()

@@ -57,6 +57,12 @@ def _log_decay(decay, B, T, H, g):
     return ld.requires_grad_(decay in ("gate", "fixed-trained"))
 
 
+def _leaves(q, k, v, ld):
+    """Fresh leaves for one backend's call: q, k, v with gradients, and the decay (or None) as it was asked."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    return q, k, v, None if ld is None else ld.detach().clone().requires_grad_(ld.requires_grad)
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "identity", "based", "rebased"])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("decay", DECAYS)
@@ -84,12 +90,10 @@ def test_dispatch_matches_the_reference(stand_in_fla, feature_map, normalize, de
     kw = dict(feature_map=fm, normalize=normalize, scale=0.7, initial_state=S0)
     grads = {}
     for backend in ("fla", "torch"):
-        leaves = [t.detach().clone().requires_grad_(t.requires_grad or t.dim() == 4)
-                  for t in (q, k, v) + (() if ld is None else (ld,))]
-        o, (S, z) = linear_attention(*leaves[:3], backend=backend, output_final_state=True,
-                                     log_decay=leaves[3] if ld is not None else None, **kw)
+        *leaves, ld_leaf = _leaves(q, k, v, ld)
+        o, (S, z) = linear_attention(*leaves, backend=backend, output_final_state=True, log_decay=ld_leaf, **kw)
         (o.square().sum() + S.sum() + z.sum()).backward()
-        grads[backend] = [t.grad for t in leaves if t.requires_grad]
+        grads[backend] = [t.grad for t in leaves + [ld_leaf] if t is not None and t.requires_grad]
         if backend == "fla":
             assert o.dtype == torch.float32 and S.dtype == z.dtype == torch.float32
             o_ref, (S_ref, z_ref) = linear_attention_reference(q, k, v, log_decay=ld, **kw)
@@ -158,10 +162,8 @@ def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
               output_final_state=True)
     results, refused = {}, None
     for backend in ("torch", "fla"):
-        leaves = [t.detach().clone().requires_grad_(t.requires_grad or t.dim() == 4)
-                  for t in (q, k, v) + (() if ld is None else (ld,))]
-        o, (S, z) = linear_attention(*leaves[:3], backend=backend, log_decay=leaves[3] if ld is not None else None,
-                                     **kw)
+        *leaves, ld_leaf = _leaves(q, k, v, ld)
+        o, (S, z) = linear_attention(*leaves, backend=backend, log_decay=ld_leaf, **kw)
         results[backend] = [o.detach(), S.detach(), z.detach()]
         try:
             (o.square().sum() + S.sum() + z.sum()).backward()
@@ -170,7 +172,7 @@ def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
                 raise
             refused = str(e)
             continue
-        results[backend] += [t.grad for t in leaves if t.requires_grad]
+        results[backend] += [t.grad for t in leaves + [ld_leaf] if t is not None and t.requires_grad]
     names = ("o", "S", "z", "dq", "dk", "dv", "dlog_decay")
     for name, a, b in zip(names, results["fla"], results["torch"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
