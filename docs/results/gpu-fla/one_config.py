@@ -1,7 +1,8 @@
 """A pytest plugin for checking fla's kernels for correctness inside a short lease (``-p one_config``):
 every Triton autotuner keeps one configuration, so each kernel variant compiles once instead of timing up
-to 48. The results do not depend on the configuration (block sizes, warps, stages); speed is not measured
-with it. The kept one is the most conservative: fewest stages, 4 warps where offered, smallest blocks."""
+to 48. What it verifies is fla with the kept configuration (a miscompile can depend on the configuration);
+speed is not measured with it. The kept one: fewest stages, then 4 warps where offered, then the smallest
+blocks. Triton skips its pruning and benchmarking for a single configuration."""
 from triton.runtime import autotuner
 
 _init = autotuner.Autotuner.__init__

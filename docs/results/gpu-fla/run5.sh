@@ -1,6 +1,6 @@
 #!/bin/bash
-# The fifth call (the same warm H100, 188 s of device time left after it): three cases that passed with
-# one configuration, again with fla's full autotuning, to show the configuration does not change them.
+# The fifth call (the same warm H100, 188 s of device time left after it): three cases checked with one
+# configuration, again with fla's full autotuning.
 set -o pipefail
 out=${1:?out dir}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
