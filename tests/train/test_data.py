@@ -1,3 +1,6 @@
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -157,3 +160,56 @@ def test_hugging_face_dataset_from_disk(tmp_path):
     datasets.Dataset.from_dict({"text": ["one doc", "two docs"]}).save_to_disk(str(tmp_path / "ds"))
     d = prepare(f"hf:{tmp_path / 'ds'}", tmp_path / "c", val_fraction=0.2)
     assert BYTES.decode(np.concatenate([d.train, d.val]).tolist()) == "one doctwo docs"
+
+
+class _FakeDatasets:
+    """The few names of the ``datasets`` package that ``_load_hf`` uses, so its paths run where
+    ``datasets`` is not installed (the test above runs the real one where it is)."""
+
+    class Dataset(list):
+        def __init__(self, rows, fingerprint):
+            super().__init__(rows)
+            self.column_names = sorted(rows[0]) if rows else []
+            self._fingerprint = fingerprint
+
+    class DatasetDict(dict):
+        pass
+
+    def __init__(self, on_disk, cached):
+        self.on_disk, self.cached, self.offline = on_disk, cached, []
+
+    def load_from_disk(self, path):
+        self.offline.append(os.environ.get("HF_DATASETS_OFFLINE"))
+        return self.on_disk[path]
+
+    def load_dataset(self, name, config, split):
+        self.offline.append(os.environ.get("HF_DATASETS_OFFLINE"))
+        if (name, config, split) not in self.cached:
+            raise ConnectionError("Couldn't reach the Hub (offline mode)")
+        return self.cached[name, config, split]
+
+
+def test_hugging_face_paths_without_the_datasets_package(tmp_path, monkeypatch):
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # unset here, restored after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    F = _FakeDatasets
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    splits = F.DatasetDict(train=F.Dataset([{"text": "alpha"}, {"text": "beta"}], "f-train"),
+                           validation=F.Dataset([{"text": "gamma"}], "f-val"))
+    fake = F({str(folder): splits}, {("tiny/corpus", "en", "train"): F.Dataset([{"body": "x"}], "f-hub")})
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    d = prepare(f"hf:{folder}", tmp_path / "c", val_fraction=0.2)  # a saved DatasetDict: its "train" split
+    assert BYTES.decode(np.concatenate([d.train, d.val]).tolist()) == "alphabeta"
+    d = D.prepare_data(D.resolve_source(f"hf:{folder}", hf_split="validation"), BYTES, cache_dir=tmp_path / "c",
+                       progress=False, val_fraction=0.5)
+    assert BYTES.decode(np.concatenate([d.train, d.val]).tolist()) == "gamma"
+    assert fake.offline and set(fake.offline) == {"1"}  # offline before datasets could read it
+    with pytest.raises(ValueError, match=r"has no column 'text' \(data.hf_text_column\); columns are \['body'\]"):
+        prepare("hf:tiny/corpus:en", tmp_path / "c")
+    with pytest.raises(ValueError, match=r"'tiny/other' .* is not in the local cache and nothing is downloaded"):
+        prepare("hf:tiny/other", tmp_path / "c")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: importing it raises
+    with pytest.raises(ImportError, match=r"needs the 'datasets' package: pip install datasets"):
+        prepare("hf:tiny/corpus", tmp_path / "c")
