@@ -17,8 +17,9 @@ onto that one call:
 Inputs are turned into the state dtype (float32) first, so the state is float32 as with the torch
 backend. ``chunk_size`` is not used (fla picks its own chunk). Checked against the torch backend on
 an H100 (docs/results/gpu-fla): without a decay forward and backward at T = 1, 100, 256, with one the
-forward (inference with ``g_gamma`` too); decayed backward passes only on the CPU, with a stand-in for fla. fla 0.6.0 refuses every decayed backward pass (``g``)
-on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (its issue #640) with its own RuntimeError.
+forward (inference with ``g_gamma`` too); decayed backward passes only on the CPU, with a stand-in for
+fla. fla 0.6.0 refuses every decayed backward pass (``g``) on Hopper GPUs with Triton >= 3.4 and
+< 3.7.1 (its issue #640) with its own RuntimeError.
 """
 from __future__ import annotations
 

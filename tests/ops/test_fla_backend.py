@@ -141,6 +141,23 @@ def test_dispatch_without_state_or_normaliser(stand_in_fla):
     torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+def _cuda_case(T, decay, seed):
+    """q, k, v, the decay (as ``_log_decay`` asks, scaled by 0.1) and an initial (S, z) on CUDA: B=2, H=3,
+    Dk=32, Dv=48."""
+    B, H, Dk, Dv = 2, 3, 32, 48
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, d, generator=g).cuda() for d in (Dk, Dk, Dv))
+    ld = _log_decay(decay, B, T, H, g)
+    ld = None if ld is None else (ld.detach() * 0.1).cuda().requires_grad_(ld.requires_grad)
+    S0 = (torch.randn(B, H, Dk, Dv, generator=g).cuda() * 0.1, torch.rand(B, H, Dk, generator=g).cuda() + 0.5)
+    return q, k, v, ld, S0
+
+
+def _assert_close_tf32(name, a, b):
+    """fla against the torch backend: 2e-2 relative and of b's largest value (Triton's TF32 dot products)."""
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_FLA),
                     reason="needs a CUDA device and flash-linear-attention")
 @pytest.mark.parametrize("feature_map", ["elu", "identity"])
@@ -152,15 +169,10 @@ def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
     v and a trained decay. Tolerances allow TF32 (Triton's float32 dot products round inputs to 10-bit
     mantissas). Where fla itself refuses a backward pass (a decay sent as g on Hopper with Triton <
     3.7.1, its issue #640), the forward has been compared and the case is skipped with fla's reason."""
-    B, H, Dk, Dv = 2, 3, 32, 48
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, T, H, d, generator=g).cuda() for d in (Dk, Dk, Dv))
+    q, k, v, ld, S0 = _cuda_case(T, decay, seed=0)
     if feature_map == "identity" and normalize:  # denominators of one sign, as in the dispatch test above
         q, k = q.abs(), k.abs()
-    ld = _log_decay(decay, B, T, H, g)
-    ld = None if ld is None else (ld.detach() * 0.1).cuda().requires_grad_(ld.requires_grad)
-    S0 = (torch.randn(B, H, Dk, Dv, generator=g).cuda() * 0.1, torch.rand(B, H, Dk, generator=g).cuda() + 0.5)
-    kw = dict(feature_map=feature_map, normalize=normalize, scale=Dk**-0.5, initial_state=S0,
+    kw = dict(feature_map=feature_map, normalize=normalize, scale=q.shape[-1] ** -0.5, initial_state=S0,
               output_final_state=True)
     results, refused = {}, None
     for backend in ("torch", "fla"):
@@ -177,7 +189,7 @@ def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
         results[backend] += [t.grad for t in leaves + [ld_leaf] if t is not None and t.requires_grad]
     names = ("o", "S", "z", "dq", "dk", "dv", "dlog_decay")
     for name, a, b in zip(names, results["fla"], results["torch"]):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+        _assert_close_tf32(name, a, b)
     if refused:
         pytest.skip(f"forward equal; fla refused the backward pass: {refused}")
     assert len(results["fla"]) == len(results["torch"])
@@ -190,13 +202,9 @@ def test_fla_kernels_match_ours_on_cuda(feature_map, normalize, decay, T):
 def test_fla_forward_without_gradients_matches_ours_on_cuda(decay, T):
     """Inference (no gradient): a fixed decay goes to fla as ``g_gamma`` here, whatever the machine, and a
     gate as ``g``; outputs and final states against the torch backend, the tolerance TF32's."""
-    B, H, Dk, Dv = 2, 3, 32, 48
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(B, T, H, d, generator=g).cuda() for d in (Dk, Dk, Dv))
-    ld = (_log_decay(decay, B, T, H, g).detach() * 0.1).cuda()
-    S0 = (torch.randn(B, H, Dk, Dv, generator=g).cuda() * 0.1, torch.rand(B, H, Dk, generator=g).cuda() + 0.5)
+    q, k, v, ld, S0 = _cuda_case(T, decay, seed=1)
     with torch.no_grad():
-        got, want = (linear_attention(q, k, v, backend=b, log_decay=ld, feature_map="elu", scale=Dk**-0.5,
+        got, want = (linear_attention(q, k, v, backend=b, log_decay=ld, feature_map="elu", scale=q.shape[-1] ** -0.5,
                                       initial_state=S0, output_final_state=True) for b in ("fla", "torch"))
     for name, a, b in zip(("o", "S", "z"), (got[0], *got[1]), (want[0], *want[1])):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+        _assert_close_tf32(name, a, b)
