@@ -7,6 +7,7 @@ in flash-linear-attention's layout:
     beta    = sigmoid(x W_beta)                           per head (2 sigmoid with allow_neg_eigval)
     log a   = -exp(A_log) * softplus(x W_a + dt_bias)     per head, gated-deltanet only (Mamba-2's decay)
     o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op
+              (rule="linear", an ablation: S_t = a_t S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t / sqrt(Dk))
     y       = (RMSNorm(o) * SiLU(x W_g)) W_o              RMSNorm per head, weight shared by the heads
                                                           (output_gate=False: RMSNorm(o) W_o)
 
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 
 from lintrans.ops.delta import DELTA_FORMS, delta_rule, delta_rule_step
 from lintrans.ops.delta.api import NATIVE_CHUNK
+from lintrans.ops.delta.reference import l2_normalized
+from lintrans.ops.linear import linear_attention, linear_attention_step
 
 from .attention import QKVAttention, check_options
 from .registry import register_attention
@@ -51,6 +54,10 @@ class DeltaNetOptions:
     output_gate: bool = field(default=True, metadata={
         "help": "multiply the normalised output by SiLU(x W_g) (Gated DeltaNet's design; flash-linear-attention's "
                 "DeltaNet leaves it out by default)"})
+    rule: str = field(default="delta", metadata={
+        "choices": ("delta", "linear"),
+        "help": "the state's update: delta (the layer's own) or linear, the additive S_t = a_t S_{t-1} + "
+                "beta_t k_t v_t^T with everything else kept (an ablation: what the delta rule itself is worth)"})
 
 
 @dataclass
@@ -114,6 +121,7 @@ class DeltaNet(QKVAttention):
         self.o_norm = nn.Parameter(torch.ones(D))
         self.beta_max = 2.0 if opts["allow_neg_eigval"] else 1.0
         self.norm_eps = opts["norm_eps"]
+        self.rule = opts["rule"]
         if self.GATED:
             self.a_proj = nn.Linear(C, H, bias=config.bias)
             A_log, dt_bias = mamba2_decay_init(H, a_max=opts["a_init_max"])
@@ -138,7 +146,9 @@ class DeltaNet(QKVAttention):
         k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,T,H,D]
         beta = torch.sigmoid(self.beta_proj(x)) * self.beta_max  # [B,T,H]
         ld = self.log_decay(x)
-        if cache is not None and T == 1:
+        if self.rule == "linear":
+            o, S = self.additive_rule(q, k, v, beta, ld, S, cache is not None and T == 1, use_cache)
+        elif cache is not None and T == 1:
             o, S = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], S,
                                    log_decay=None if ld is None else ld[:, 0])
             o = o[:, None]  # [B,1,H,D]
@@ -149,6 +159,20 @@ class DeltaNet(QKVAttention):
         if self.g_proj is not None:
             o = o * F.silu(self.g_proj(x)).view(B, T, self.n_head, self.head_dim)
         return self.out(o), ((conv_prev, S) if use_cache else None)
+
+    def additive_rule(self, q, k, v, beta, ld, state, step: bool, use_cache: bool):
+        """rule="linear": the delta rule's inputs (q, k L2-normalised, scale Dk^-1/2, beta, the decay) through
+        plain linear attention, unnormalised: the state (S, z) only adds. q, k, v [B, T, H, D]."""
+        q, k = l2_normalized(q), l2_normalized(k)
+        v = v * beta[..., None]  # beta_t k_t v_t^T
+        opts = dict(feature_map="identity", normalize=False, scale=self.head_dim ** -0.5)
+        if step:
+            ld = None if ld is None else ld[:, 0]
+            o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, log_decay=ld, **opts)
+            return o[:, None], state  # [B,1,H,D]
+        form = "state_loop" if self.form == "recurrent" else "chunked"
+        return linear_attention(q, k, v, form=form, chunk_size=self.chunk_size or 64, log_decay=ld,
+                                initial_state=state, output_final_state=use_cache, **opts)
 
     def qkv_split(self, u: torch.Tensor):
         B, T, _ = u.shape
@@ -178,6 +202,12 @@ class DeltaNet(QKVAttention):
         and P U' (2 L^2 (3 + 2) h), U - W S, Q S and the state update K^T U' (6 L h^2), and the
         unit-triangular inverse (2/3 L^3)."""
         N, h = shape.n_head, shape.head_dim
+        if cls.option(shape, "rule") == "linear":  # as LinearAttention's count, F = h, E = h + 1 (z's column)
+            if cls.option(shape, "form") == "recurrent":
+                return float(2 * B * N * T * h * (h + 1))
+            c = min(cls.option(shape, "chunk_size") or 64, T)
+            n, r = divmod(T, c)
+            return float(4 * B * N * T * h * (h + 1) + 2 * B * N * (n * c * c + r * r) * (2 * h + 1))
         if cls.option(shape, "form") == "recurrent":
             return float(6 * B * N * T * h * h)
         c = min(cls.option(shape, "chunk_size") or NATIVE_CHUNK, T)
@@ -189,7 +219,9 @@ class DeltaNet(QKVAttention):
     def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
         """S per head (float32 whatever the model's dtype) and the convolution's last K-1 inputs."""
         conv = (shape.n_head + 2 * shape.kv_heads) * shape.head_dim * max(cls.option(shape, "conv_size") - 1, 0)
-        return B * shape.n_head * shape.head_dim * shape.head_dim * 4 + B * conv * dtype_bytes
+        h = shape.head_dim
+        state = h * h + (h if cls.option(shape, "rule") == "linear" else 0)  # rule="linear": the op's state carries z
+        return B * shape.n_head * state * 4 + B * conv * dtype_bytes
 
 
 @register_attention("gated-deltanet")

@@ -57,7 +57,8 @@ def reference(layer, x):
     outs = []
     for t in range(T):
         at = a[:, t, :, None, None]
-        pred = torch.einsum("bhkv,bhk->bhv", at * S, k[:, t])
+        # rule="linear" (the ablation) only adds: nothing of what S predicts for k_t is erased
+        pred = torch.einsum("bhkv,bhk->bhv", at * S, k[:, t]) if opts["rule"] == "delta" else 0
         S = at * S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
         outs.append(D ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outs, 1)  # [B,T,H,D]
@@ -71,7 +72,8 @@ def reference(layer, x):
 @pytest.mark.parametrize("T", [1, 5, 13])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 @pytest.mark.parametrize("opts", [{"chunk_size": 4}, {"form": "recurrent", "conv_size": 2, "allow_neg_eigval": True},
-                                  {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3, "output_gate": False}])
+                                  {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3, "output_gate": False},
+                                  {"rule": "linear", "chunk_size": 4}, {"rule": "linear", "form": "recurrent"}])
 def test_layer_equals_token_loop_outputs_and_grads(attention, T, n_kv_head, opts):
     layer = perturbed_layer(attention, opts, n_kv_head=n_kv_head)
     x = torch.randn(2, T, 24, dtype=torch.float64, requires_grad=True)
@@ -125,7 +127,8 @@ def decode_all(model, idx, prompt):
 
 @pytest.mark.parametrize("attention", MECHS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
-@pytest.mark.parametrize("opts", [{}, {"conv_size": 2, "chunk_size": 4, "allow_neg_eigval": True}])
+@pytest.mark.parametrize("opts", [{}, {"conv_size": 2, "chunk_size": 4, "allow_neg_eigval": True},
+                                  {"rule": "linear", "chunk_size": 4}])
 def test_decode_equals_forward(attention, dtype, tol, opts):
     torch.manual_seed(1)
     model = GPT(config(attention, opts, n_layer=2, n_head=2, n_embd=16, n_kv_head=1)).to(dtype)
@@ -142,6 +145,9 @@ def test_decode_equals_forward(attention, dtype, tol, opts):
     # the cache does not grow: the convolution's last K-1 inputs and S per layer
     K = model.config.attention_options.get("conv_size", 4)
     conv_prev, S = cache.layers[0]
+    if opts.get("rule") == "linear":  # linear attention's (S, z)
+        S, z = S
+        assert z.shape == (2, 2, 8)
     assert conv_prev.shape == (2, K - 1, 4 * 8) and S.shape == (2, 2, 8, 8)
     _, short = decode_all(model, idx[:, :10], 5)
     assert short.nbytes() == cache.nbytes()
@@ -186,6 +192,7 @@ def test_identity_conv_init_passes_each_token_through(attention):
     ({"conv_size": 2.5}, TypeError, r"attention_options\['conv_size'\] must be an int"),
     ({"conv_init": "dirac"}, ValueError, r"attention_options\['conv_init'\] must be one of \['uniform', 'identity'\]"),
     ({"allow_neg_eigval": "yes"}, TypeError, r"attention_options\['allow_neg_eigval'\] must be a bool"),
+    ({"rule": "gated"}, ValueError, r"attention_options\['rule'\] must be one of \['delta', 'linear'\]"),
     ({"feature_map": "elu"}, ValueError, r"unknown attention_options \['feature_map'\] for '(gated-)?deltanet'"),
 ])
 @pytest.mark.parametrize("attention", MECHS)
@@ -284,6 +291,15 @@ def test_cost_terms(attention, n_kv_head, bias):
     c64 = ModelShape(**{**one.__dict__, "attention_options": {"chunk_size": 64}})
     assert math.isclose(attention_core_flops(c64, 100), N * (per(64) + per(36)))  # one chunk of 64, one of 36
     assert math.isclose(attention_core_flops(c64, 128, B=3), 3 * N * 2 * per(64))
+    # rule="linear": linear attention's count with F = h features and E = h + 1 columns (z rides along)
+    lin = ModelShape(**{**one.__dict__, "attention_options": {"rule": "linear"}})
+    E = h + 1
+    assert attention_core_flops(lin, 100) == N * (4 * 100 * h * E + 2 * (64 * 64 + 36 * 36) * (h + E))
+    lin_rec = ModelShape(**{**one.__dict__, "attention_options": {"rule": "linear", "form": "recurrent"}})
+    assert attention_core_flops(lin_rec, 100) == 2 * N * 100 * h * E
+    lin_cfg = config(attention, {"rule": "linear"}, n_layer=2, n_embd=32, n_kv_head=n_kv_head, bias=bias, vocab_size=50)
+    lin_shape = ModelShape.from_config(lin_cfg)
+    assert state_floats(GPT(lin_cfg), 40) * 4 * 2 == cache_bytes(lin_shape, 40) == cache_bytes(shape, 40) + 2 * N * h * 4
 
 
 @pytest.mark.parametrize("attention", MECHS)
