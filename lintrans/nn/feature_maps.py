@@ -164,10 +164,13 @@ class Performer(nn.Module):
     ``projection`` buffer (saved in state_dict), so E[phi(q) . phi(k)] = exp(q . k / sqrt(d)), the
     unnormalised softmax kernel. No stabiliser is subtracted: a per-position maximum would scale each
     key by a different constant and bias the estimate. The exponent cannot overflow (w . x' - |x'|^2/2
-    <= |w|^2/2, about d/2) but can underflow: in float32, rows far longer than sqrt(d) (|x| near 50
-    at d = 64) give all-zero features, and a query whose features are all zero gets 0 / 0 attention (nan).
-    Keep queries and keys normalised (e.g. LayerNorm or L2 before the map) at such scales. Queries
-    and keys must share one module (one W).
+    <= |w|^2/2, about d/2) but shrinks fast as |x| grows: the features scale like exp(-|x|^2 / (2 sqrt(d))).
+    Once they fall near the op's ``eps`` (1e-6 by default) the normaliser is mostly eps and the output
+    shrinks towards 0 without any error: at d = 64 with 256 features, inputs of entries with standard
+    deviation 3 (|x| about 24) already give outputs near 0 instead of their softmax average. Rows far
+    longer still (|x| near 50 at d = 64) underflow to all-zero features, and with ``eps=0`` to 0 / 0
+    (nan). Keep queries and keys normalised (e.g. LayerNorm or L2 before the map) at such scales.
+    Queries and keys must share one module (one W).
 
     seed: draws (the first one and every ``redraw()``) come from a private generator seeded with it,
     so equal seeds give equal features; None uses torch's global generator.
