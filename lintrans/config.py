@@ -366,14 +366,19 @@ def flag_help(typ, meta: dict) -> str:
     return " ".join(filter(None, [meta.get("help", ""), f"[{'; '.join(extra)}]" if extra else ""]))
 
 
-def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip=()) -> None:
+def add_arguments(parser, cls, *, dest: str = "key:", hidden: bool = False, skip=(),
+                  defaults: Optional[dict] = None) -> None:
     """One flag per key of ``cls``, taking text (converted later by ``set_key``, so a bad value is a
     one-line error naming the key, not argparse's usage text). Lists of scalars take several words
     (``--lrs 1e-3 3e-3``); bools take an optional word (``--quick``, ``--compile false``) and
-    top-level ones a ``--no-NAME`` too. ``hidden`` keeps the flags out of ``--help``."""
+    top-level ones a ``--no-NAME`` too. ``hidden`` keeps the flags out of ``--help``. ``defaults``
+    ({key: value}) are the defaults ``--help`` shows where the command starts from other values than
+    ``cls``'s own (``lintrans train``: its shipped tiny config)."""
     for key, (typ, meta) in keys(cls).items():
         if key in skip:
             continue
+        if defaults is not None and key in defaults:
+            meta = {**meta, "default": defaults[key]}
         _, base = _optional(typ)
         kw: dict = {"dest": dest + key, "default": None}
         if base is bool:

@@ -108,7 +108,8 @@ class BenchOptions:
 def configure(p: argparse.ArgumentParser) -> None:
     from lintrans.config import add_arguments
 
-    p.add_argument("which", nargs="?", default="all", choices=BENCHMARKS + ("all",))
+    p.add_argument("which", nargs="?", default="all", choices=BENCHMARKS + ("all",),
+                   help="which benchmark to run (default all: each in turn)")
     add_arguments(p, BenchOptions, dest="opt:")
 
 
@@ -223,6 +224,12 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         print(table(rows, "cache_bytes"))
     for line in lines:
         print("headline:", line)
+    errors = {}  # what each failed point said, once per message: the table's cells only say "error"
+    for r in rows:
+        if r["status"].startswith("error"):
+            errors.setdefault(r["status"], []).append(f"{r['series']} T={r['T']}")
+    for message, where in errors.items():
+        print(f"{message} ({', '.join(where[:3])}{', ...' if len(where) > 3 else ''})", file=sys.stderr)
     result = {"rows": rows, "speedups": speedups, "headline": " | ".join(lines), "lines": lines, "title": title}
     if out is not None:
         from .machine import matmul_probe
@@ -306,7 +313,12 @@ def build_profile(args: BenchOptions) -> Profile:
     prof.ops_only = args.ops
     prof.forward_only = args.forward_only
     prof.dtype = args.dtype
-    prof.precision = args.precision
+    from lintrans.train.precision import resolve_precision
+
+    try:  # checked here, not point by point: a precision the device cannot run would fill the table with errors
+        prof.precision = resolve_precision(args.precision, args.device, what="--precision")
+    except ValueError as e:
+        raise SystemExit(f"lintrans bench: {e}")
     from .sizes import resolve_size
     from .train import LINEAR_FORMS
 

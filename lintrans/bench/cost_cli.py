@@ -19,24 +19,27 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, help=f"a benchmark model size, one of {list(SIZES)}, or another name of one "
                    f"({', '.join(n for n in ALIASES if ' ' not in n)}: GPT-2 124M, the shipped config gpt2-124m); "
                    "sets the next three")
-    p.add_argument("--n-layer", type=int, default=12)
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--n-embd", type=int, default=768)
-    p.add_argument("--n-kv-head", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--n-layer", type=int, default=None, help="transformer blocks (default 12, GPT-2 124M's)")
+    p.add_argument("--n-head", type=int, default=None, help="attention heads (default 12)")
+    p.add_argument("--n-embd", type=int, default=None, help="model width (default 768)")
+    p.add_argument("--n-kv-head", type=int, default=None, help="key/value heads, grouped-query (default --n-head)")
+    p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
     p.add_argument("--block-size", type=int, default=1024,
                    help="learned positions the model has (GPT-2: 1024); longer --T only adds their count separately")
-    p.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu")
-    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384], help="context lengths")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--form", default="chunked", help="linear form for the linear columns")
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--feature-map", default="elu", help="sets the feature dimension F")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu", help="the feed-forward block (default gelu)")
+    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384],
+                   help="context lengths (default 1024 4096 16384)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--form", default="chunked", help="linear form for the linear columns (default chunked)")
+    p.add_argument("--chunk-size", type=int, default=64, help="chunk of the chunked form (default 64)")
+    p.add_argument("--feature-map", default="elu", help="sets the feature dimension F (default elu: F = head dim)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="bytes per cached number (default float32)")
     p.add_argument("--step-time", type=float, nargs="+", default=None,
                    help="measured seconds per training step, one per --T (softmax model): prints MFU")
     p.add_argument("--linear-step-time", type=float, nargs="+", default=None, help="the same for the linear model")
-    p.add_argument("--peak-tflops", type=float, default=None, help="skip measuring the matmul peak")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the peak to compute MFU against, instead of measuring the matmul peak for it")
     op = p.add_mutually_exclusive_group()
     op.add_argument("--op-time", type=float, nargs="+", default=None,
                     help="measured seconds of the linear attention op, forward + backward on [batch, T, n-head, "
@@ -65,9 +68,16 @@ def _b(n: float) -> str:
 
 def _check(args) -> None:
     """ValueError naming the first bad flag."""
+    shape = ("n_layer", "n_head", "n_embd")
     if args.size:
+        given = [f"--{f.replace('_', '-')}" for f in shape if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--size sets --n-layer, --n-head and --n-embd; give either it or {', '.join(given)}")
         size = model_size(args.size)
         args.n_layer, args.n_head, args.n_embd = size.n_layer, size.n_head, size.n_embd
+    for flag, default in zip(shape, (12, 12, 768)):  # GPT-2 124M
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size", "op_repeats"):
         check_positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.n_embd % args.n_head:

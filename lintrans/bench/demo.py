@@ -30,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     # profile and docs/results/peers have the op to 16k and beyond
     p.add_argument("--ops-max-T", type=int, default=8192, help="longest context for the op benchmark (default 8192)")
     p.add_argument("--size", default="12L-128", help="model size for the training step (default 12L-128)")
-    p.add_argument("--time-cap", type=float, default=12.0, help="seconds per step past which a curve stops")
+    p.add_argument("--time-cap", type=float, default=12.0, help="seconds per step past which a curve stops (default 12)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"),
                    help="folder for the record (JSON/CSV/MD/PNG; default runs/demo). The committed record is "
                         "docs/results/demo: pass that to replace it")
@@ -102,6 +102,12 @@ def run(args) -> int:
         args.size = resolve_size(args.size)
     except ValueError as e:
         raise SystemExit(f"lintrans demo: {e}")
+    for flag in ("max_T", "generate_max_T", "ops_max_T"):  # before any work: each curve starts at T = 256
+        value = getattr(args, flag)
+        if value < 256:
+            raise SystemExit(f"lintrans demo: --{flag.replace('_', '-')} must be an int >= 256, got {value}")
+    if not args.time_cap > 0:  # also nan
+        raise SystemExit(f"lintrans demo: --time-cap must be a number > 0, got {args.time_cap}")
     t0 = time.perf_counter()
     command = getattr(args, "command_line", "lintrans demo")
     prof = profiles()["quick"]

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+DEFAULT_CONFIG = "tiny"  # what a bare `lintrans train` trains
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from lintrans.config import add_arguments
+    from lintrans.config import add_arguments, flatten
 
-    from .config import TrainConfig
+    from .config import TrainConfig, read_config_file
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2]
@@ -26,9 +28,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--device", default=None, help="train.device: auto, cpu, cuda, cuda:N or mps")
     keys = parser.add_argument_group(
-        "config keys", "every key of the config, the same as --set KEY=VALUE (model keys: unset ones take "
-                       "GPTConfig's defaults shown here; see docs/training.md)")
-    add_arguments(keys, TrainConfig)
+        "config keys", "every key of the config, the same as --set KEY=VALUE. The defaults shown are those of "
+                       "the bare command, the shipped tiny config with GPTConfig's and TrainConfig's defaults for "
+                       "what it leaves unset; with --config FILE unset keys take those of TrainConfig and "
+                       "GPTConfig (--print-config shows the result; see docs/training.md)")
+    shown = flatten(TrainConfig, read_config_file(DEFAULT_CONFIG))
+    shown.setdefault("model.vocab_size", "the tokenizer's, rounded up to a multiple of 64 (bytes: 256, gpt2: 50304)")
+    add_arguments(keys, TrainConfig, defaults=shown)
     # every key is listed below; the usage line would otherwise repeat all of them
     parser.usage = "%(prog)s [-h] [--config FILE] [--set KEY=VALUE] [--print-config] [--device DEVICE] [--SECTION.KEY VALUE ...]"
 
@@ -43,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     config = args.config
     if config is None:
         # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU
-        config = "tiny"
+        config = DEFAULT_CONFIG
         print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, bytes, "
               "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
     try:

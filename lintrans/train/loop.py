@@ -295,6 +295,11 @@ class _Run:
                 f"model.vocab_size ({cfg.model['vocab_size']}) is smaller than the {self.tokenizer.name} tokenizer's "
                 f"vocabulary ({self.tokenizer.vocab_size})"
             )
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ValueError(f"train.out_dir {self.out_dir} is a file; it must be a folder (made if missing)")
+        if (self.out_dir / "trainer_state.json").is_file():  # a run's checkpoint given for the run
+            raise ValueError(f"train.out_dir {self.out_dir} is a checkpoint, not a run's folder; set "
+                             f"train.out_dir={self.out_dir.parent} to continue the run it belongs to")
         if info.is_main:
             for path in ckpt.remove_abandoned(self.out_dir):
                 self.say(f"removed {path}: the unfinished save of a run that was killed")

@@ -171,6 +171,8 @@ def test_bench_rejects_unknown_mechanism():
     (["cost", "--step-time", "0", "--T", "64"], "--step-time must be positive"),
     (["cost", "--feature-map", "nope"], "feature_map must be one of"),
     (["cost", "--size", "nope"], "--size must be one of"),
+    (["cost", "--size", "4L-128", "--n-layer", "2"], "--size sets --n-layer, --n-head and --n-embd; give either it or "
+                                                     "--n-layer"),
     (["tune", "--T", "-1"], "every --T must be an int >= 1, got -1"),
     (["tune", "--head-dim", "0"], "--head-dim must be an int >= 1, got 0"),
     (["tune", "--feature-map", "nope"], "--feature-map: feature_map must be one of"),
@@ -191,8 +193,19 @@ def test_bad_cost_and_tune_arguments_give_one_line_errors(argv, message, capsys)
     (["bench", "train", "--sizes", "nope"], "--sizes must be one of"),
     (["bench", "generate", "--T", "256", "--max-T", "512"], "give --T or --max-T, not both"),
     (["bench", "generate", "--T", "0"], "every entry of --T must be an int >= 1, got 0"),
+    (["bench", "train", "--T", "256", "--precision", "fp16"], "--precision 'fp16' needs a CUDA device"),
+    (["demo", "--max-T", "100"], "lintrans demo: --max-T must be an int >= 256, got 100"),
+    (["demo", "--generate-max-T", "0"], "--generate-max-T must be an int >= 256, got 0"),
+    (["demo", "--ops-max-T", "128"], "--ops-max-T must be an int >= 256, got 128"),
+    (["demo", "--time-cap", "-1"], "--time-cap must be a number > 0, got -1.0"),
 ])
-def test_bad_bench_arguments_exit_before_measuring(argv, message):
+def test_bad_bench_arguments_exit_before_measuring(argv, message, monkeypatch):
+    from lintrans.bench import cli as bench_cli
+
+    def measured(*a, **k):
+        raise AssertionError("measured before the arguments were checked")
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", measured)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert message in str(e.value)
@@ -383,3 +396,19 @@ def test_decode_step_builds_and_runs_for_each_decoder(attention):
     step()
     step()
     assert extra["context"] == 16 and extra["cache_bytes"] > 0
+
+
+def test_a_failed_point_says_why_beside_the_table(monkeypatch, capsys):
+    from lintrans.bench import cli as bench_cli
+    from lintrans.bench.measure import Point
+
+    def run_ops(Ts, caps, **kw):
+        return [Point("linear chunked", T, status="error: ValueError: no such thing") for T in Ts]
+
+    monkeypatch.setattr("lintrans.bench.ops.run_ops", run_ops)
+    prof = bench_cli.profiles()["quick"]
+    prof.ops_T = [256, 512]
+    bench_cli.run_benchmark("ops", prof)
+    captured = capsys.readouterr()
+    assert "error" in captured.out  # the table's cells
+    assert "error: ValueError: no such thing (linear chunked T=256, linear chunked T=512)" in captured.err

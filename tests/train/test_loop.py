@@ -76,6 +76,14 @@ def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
         train(tiny_config(**{"train.resume": "never"}))
     with pytest.raises(ValueError, match="holds no checkpoint"):
         train(tiny_config("empty", **{"train.resume": "must"}))
+    # the run's checkpoint given as its folder, and a file: each says what to give instead, writing nothing
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir())
+    with pytest.raises(ValueError, match=f"is a checkpoint, not a run's folder; set train.out_dir={tmp_path / 'run'} "):
+        train(tiny_config("run/checkpoint"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == before
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match="train.out_dir .*a-file is a file; it must be a folder"):
+        train(tiny_config("a-file"))
     weights = tmp_path / "run" / "checkpoint" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="damaged"):
