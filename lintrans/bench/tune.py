@@ -17,11 +17,12 @@ from .sizes import feature_dim_of
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384], help="context lengths to tune for")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--feature-map", default="elu", help="a feature map name (sets the feature dimension)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384], help="context lengths to tune for (default 1024 4096 16384)")
+    p.add_argument("--head-dim", type=int, default=64, help="D of q, k and v (default 64)")
+    p.add_argument("--feature-map", default="elu", help="a feature map name (sets the feature dimension; default elu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="dtype of q, k, v (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--force", action="store_true", help="measure again even if cached")
     p.add_argument("--gated", action="store_true", help="tune for gated attention (a log_decay on the state)")
 

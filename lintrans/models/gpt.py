@@ -202,6 +202,19 @@ class GPT(nn.Module):
                 f"got min {int(idx.min())} max {int(idx.max())}"
             )
 
+    def _check_targets(self, targets, idx) -> None:
+        if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+            got = getattr(targets, "dtype", type(targets).__name__)
+            raise TypeError(f"targets must be an int64 (or int32) tensor of token ids [B, T], got {got}")
+        if targets.shape != getattr(idx, "shape", None):
+            raise ValueError(f"targets must have the shape of idx {tuple(getattr(idx, 'shape', ()))}, "
+                             f"got {tuple(targets.shape)}")
+        if reads_values(targets.device):  # as for idx: on an accelerator the loss asserts on the device
+            bad = (targets != -1) & ((targets < 0) | (targets >= self.config.vocab_size))
+            if bool(bad.any()):
+                raise ValueError(f"targets must lie in [0, {self.config.vocab_size - 1}] (vocab_size "
+                                 f"{self.config.vocab_size}) or equal -1 (ignored), got {int(targets[bad][0])}")
+
     def hidden(self, idx: Optional[torch.Tensor] = None, *, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The final hidden states [B, T, C] (after ``ln_f``, before the head), from token ids or
         from ``inputs_embeds`` [B, T, C] given in place of the token embedding (positions are still
@@ -273,12 +286,9 @@ class GPT(nn.Module):
         """
         if not return_logits and targets is None:
             raise ValueError("return_logits=False needs targets (without them the logits are the only output)")
-        h = self._hidden(idx, None)  # [B,T,C]
-        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
-            raise ValueError(
-                f"targets must be a tensor of the same shape as idx {tuple(idx.shape)}, "
-                f"got {tuple(getattr(targets, 'shape', ()))}"
-            )
+        h = self._hidden(idx, None)  # [B,T,C]; checks idx first
+        if targets is not None:
+            self._check_targets(targets, idx)
         if not return_logits:
             w = self.lm_head.weight
             hf = h.flatten(0, 1)

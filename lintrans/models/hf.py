@@ -391,6 +391,10 @@ def from_pretrained(name_or_path: str = "gpt2", **overrides) -> GPT:
         raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
     if Path(name_or_path).exists():
         return load_model(name_or_path, **overrides)
+    text = os.fspath(name_or_path)
+    if isinstance(name_or_path, os.PathLike) or text.startswith(("/", ".", "~")):
+        # plainly a path (a hub name is "org/name"): say so instead of searching the cache for it
+        raise FileNotFoundError(f"no such file or folder: {text!r}")
     snap, looked = find_in_hf_cache(str(name_or_path))
     if snap is None:
         raise FileNotFoundError(

@@ -17,15 +17,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="default: the one a lintrans checkpoint records, else bytes for a 257-token "
                         "vocabulary, else gpt2")
     parser.add_argument("--max-new-tokens", type=int, default=200,
-                        help="may exceed the block size: with learned positions (or AFT-full/local, cosFormer) "
+                        help="tokens to generate per sample (default 200); may exceed the block size: with learned positions (or AFT-full/local, cosFormer) "
                              "the context is then cropped to the last block_size (max_len) tokens, as nanoGPT does")
-    parser.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by ---")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by --- (default 1)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of the next-token distribution (default 0.8; 0 = greedy)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only (default: all)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling: from the fewest tokens whose probabilities sum to p (default: all)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler: equal seeds, equal text "
+                        "(default: a fresh draw)")
     parser.add_argument("--attention", default=None, help="swap the attention mechanism (e.g. linear); weights kept")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
 
 
 def _saved_tokenizer(checkpoint) -> str | None:

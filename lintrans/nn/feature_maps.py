@@ -179,6 +179,8 @@ class Performer(nn.Module):
     Features are computed in float32 (float64 for float64 inputs).
     """
 
+    shared_by_q_and_k = True  # resolve_feature_map refuses it in a pair with another module
+
     def __init__(
         self, head_dim: int, num_features: int, *, seed: Optional[int] = None, orthogonal: bool = True
     ) -> None:

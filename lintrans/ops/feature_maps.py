@@ -170,7 +170,12 @@ def resolve_feature_map(feature_map) -> tuple[FeatureMap, FeatureMap]:
     if feature_map is None:
         return identity, identity
     if isinstance(feature_map, tuple) and len(feature_map) == 2 and all(callable(f) for f in feature_map):
-        return feature_map[0], feature_map[1]
+        fq, fk = feature_map
+        shared = [f for f in feature_map if getattr(f, "shared_by_q_and_k", False)]
+        if fq is not fk and shared:  # e.g. two Performers: two random projections estimate no kernel at all
+            raise ValueError(f"feature_map: {type(shared[0]).__name__} must serve queries and keys as one module; "
+                             "pass it alone, not in a (phi_q, phi_k) pair")
+        return fq, fk
     if callable(feature_map):
         return feature_map, feature_map
     raise TypeError(

@@ -91,8 +91,20 @@ def test_loss_without_logits_equals_plain_loss_and_grads(attention):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="return_logits=False needs targets"):
         model(idx, return_logits=False)
-    with pytest.raises(ValueError, match="targets must be a tensor of the same shape"):
-        model(idx, targets[:, :4], return_logits=False)
+    # bad targets: the same one-line errors on both paths
+    for return_logits in (True, False):
+        with pytest.raises(ValueError, match=r"targets must have the shape of idx \(2, 9\), got \(2, 4\)"):
+            model(idx, targets[:, :4], return_logits=return_logits)
+        with pytest.raises(TypeError, match="targets must be an int64 .* got torch.float32"):
+            model(idx, targets.float(), return_logits=return_logits)
+        with pytest.raises(TypeError, match="targets must be an int64 .* got list"):
+            model(idx, targets.tolist(), return_logits=return_logits)
+        for bad in (61, -2):
+            wrong = targets.clone()
+            wrong[1, 4] = bad
+            with pytest.raises(ValueError, match=rf"targets must lie in \[0, 60\] \(vocab_size 61\) or equal -1 "
+                                                 rf"\(ignored\), got {bad}$"):
+                model(idx, wrong, return_logits=return_logits)
 
 
 def test_loss_without_logits_under_bf16_autocast():
@@ -190,7 +202,7 @@ def test_bad_idx():
         model(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=r"shape \[B, T\]"):
         model(torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="targets must be"):
+    with pytest.raises(ValueError, match="targets must have the shape of idx"):
         model(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
 
 

@@ -222,6 +222,10 @@ def test_from_pretrained_reads_the_local_cache(tmp_path, monkeypatch):
     assert GPT.from_pretrained("gpt2").config.n_embd == 32
     with pytest.raises(FileNotFoundError, match="models--openai-community--gpt2-xl"):
         GPT.from_pretrained("openai-community/gpt2-xl")
+    # a mistyped path is a missing path, not a model name to look up in the cache
+    for path in (str(tmp_path / "no-such-run"), "./typo/checkpoint", tmp_path / "absent"):
+        with pytest.raises(FileNotFoundError, match="^no such file or folder: '.*(no-such-run|typo/checkpoint|absent)'$"):
+            GPT.from_pretrained(path)
 
 
 def test_linearising_keeps_every_weight(tmp_path, monkeypatch):

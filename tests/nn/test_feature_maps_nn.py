@@ -292,6 +292,16 @@ def test_performer_half_inputs_compute_in_float32():
     torch.testing.assert_close(out, p(x.bfloat16().float()))
 
 
+def test_performer_refuses_a_pair_of_two_modules():
+    q = k = v = torch.randn(1, 5, 1, 8)
+    one, other = Performer(8, 16, seed=0), Performer(8, 16, seed=1)
+    for pair in ((one, other), (one, ReBased(8)), (ReBased(8), one)):
+        with pytest.raises(ValueError, match="feature_map: Performer must serve queries and keys as one module"):
+            linear_attention(q, k, v, feature_map=pair)
+    torch.testing.assert_close(linear_attention(q, k, v, feature_map=(one, one))[0],
+                               linear_attention(q, k, v, feature_map=one)[0])  # the same module twice is fine
+
+
 def test_float32_modules_accept_other_input_dtypes():
     x = torch.randn(2, 3, H, D, dtype=torch.float64)
     for m in (ReBased(D), Hedgehog(D, 4, num_heads=H, bias=True), Performer(D, 8, seed=0)):

@@ -157,6 +157,19 @@ def test_kernels_turned_on_again_in_a_process_build_then(fake_cxx, monkeypatch):
     assert native.library() is not None and _builds(log) == 1
 
 
+@pytest.mark.parametrize("value, on", [("0", False), ("Off", False), ("no", False), ("1", True), (" TRUE ", True),
+                                       ("", True)])
+def test_the_switch_reads_the_usual_spellings(monkeypatch, value, on):
+    monkeypatch.setenv("LINTRANS_NATIVE", value)
+    assert native.enabled() is on
+
+
+def test_an_unknown_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("LINTRANS_NATIVE", "bogus")
+    with pytest.raises(ValueError, match="LINTRANS_NATIVE='bogus': expected 1, true, yes or on"):
+        native.enabled()
+
+
 def test_a_rebuild_that_does_not_load_either_falls_back_after_one_try(fake_cxx, monkeypatch, tmp_path):
     log, real, cache = fake_cxx
     junk = tmp_path / "junk.so"

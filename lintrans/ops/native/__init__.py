@@ -59,7 +59,14 @@ _tried = False
 
 
 def enabled() -> bool:
-    return os.environ.get("LINTRANS_NATIVE", "1") not in ("0", "false", "no", "off")
+    """``LINTRANS_NATIVE``: on unless 0, false, no or off; a value that is neither is an error, not a guess."""
+    value = os.environ.get("LINTRANS_NATIVE", "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    raise ValueError(f"LINTRANS_NATIVE={os.environ['LINTRANS_NATIVE']!r}: expected 1, true, yes or on (the fused CPU "
+                     "kernels, the default) or 0, false, no or off (the PyTorch path)")
 
 
 def march() -> str:
