@@ -78,7 +78,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] = None) -> dict:
     """The study's settings: its DEFAULT, then the preset ``setting`` (the module's PRESETS), then
-    QUICK with --quick, then --set items, then flags."""
+    QUICK with --quick (and the module's QUICK_PRESETS[setting] with both), then --set items, then flags."""
     import dataclasses
 
     from lintrans.checks import check_choice
@@ -93,6 +93,9 @@ def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] =
     for key, value in (presets[setting].items() if setting is not None else ()):
         set_key(settings, key, value, label=setting_label)
     for key, value in (mod.QUICK.items() if quick else ()):
+        set_key(settings, key, value, label=setting_label)
+    quick_preset = getattr(mod, "QUICK_PRESETS", {}).get(setting, {}) if quick else {}
+    for key, value in quick_preset.items():  # what --quick must change in the preset for the two to combine
         set_key(settings, key, value, label=setting_label)
     apply_overrides(settings, args.set, label=setting_label)
     apply_flags(settings, args, dest="setting:", label=option_label)

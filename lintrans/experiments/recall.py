@@ -71,6 +71,8 @@ PRESETS = {"hard": {"pairs": 64, "train_pairs": [4, 8, 16, 32, 64], "steps": 400
                     "shapes": [[64, 4], [64, 1]],
                     "mechanisms": ["softmax", "linear:elu", "gated-linear", "deltanet:conv_init=identity",
                                    "gated-deltanet:conv_init=identity"]}}
+# --quick on top of a preset: QUICK, then these (the hard preset's mixture, scaled to QUICK's 4 pairs)
+QUICK_PRESETS = {"hard": {"train_pairs": [2, 4]}}
 QUICK = {
     "mechanisms": ["softmax", "linear:elu"],
     "shapes": [[16, 2], [32, 2]],

@@ -267,6 +267,10 @@ def test_recall_hard_setting_is_a_preset_under_set_and_flags(tmp_path, capsys):
     assert main(["experiment", "recall", "--setting", "hard", "--pairs", "32", "--train-pairs", "8", "32",
                  "--print-settings"]) == 0
     assert "pairs: 32" in capsys.readouterr().out
+    # --quick combines with the preset: QUICK's 4 pairs with a mixture they cover, not the preset's 4-64
+    assert main(["experiment", "recall", "--setting", "hard", "--quick", "--print-settings"]) == 0
+    out = capsys.readouterr().out
+    assert "pairs: 4\ntrain_pairs:\n- 2\n- 4\n" in out and "steps: 20" in out and "setting: hard" in out
 
 
 def test_recall_trains_on_the_train_pairs_mixture_and_scores_at_pairs(tmp_path, monkeypatch):
