@@ -102,12 +102,14 @@ def run(args) -> int:
         args.size = resolve_size(args.size)
     except ValueError as e:
         raise SystemExit(f"lintrans demo: {e}")
-    for flag in ("max_T", "generate_max_T", "ops_max_T"):  # before any work: each curve starts at T = 256
-        value = getattr(args, flag)
-        if value < 256:
-            raise SystemExit(f"lintrans demo: --{flag.replace('_', '-')} must be an int >= 256, got {value}")
-    if not args.time_cap > 0:  # also nan
-        raise SystemExit(f"lintrans demo: --time-cap must be a number > 0, got {args.time_cap}")
+    from lintrans.checks import check_number
+
+    try:  # before any work: each curve starts at T = 256
+        for flag in ("max_T", "generate_max_T", "ops_max_T"):
+            check_number(f"--{flag.replace('_', '-')}", getattr(args, flag), integer=True, low=256)
+        check_number("--time-cap", args.time_cap, low=0, low_open=True)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"lintrans demo: {e}")
     t0 = time.perf_counter()
     command = getattr(args, "command_line", "lintrans demo")
     prof = profiles()["quick"]

@@ -22,7 +22,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-map", default="elu", help="a feature map name (sets the feature dimension; default elu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
                    help="dtype of q, k, v (default float32)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu (default), auto, cuda or cuda:N")
     p.add_argument("--force", action="store_true", help="measure again even if cached")
     p.add_argument("--gated", action="store_true", help="tune for gated attention (a log_decay on the state)")
 

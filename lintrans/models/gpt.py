@@ -301,7 +301,7 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             acc = torch.promote_types(logits.dtype, torch.float32)  # float32 at least, float64 kept
-            loss = F.cross_entropy(logits.flatten(0, 1).to(acc), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(logits.flatten(0, 1).to(acc), targets.flatten().long(), ignore_index=-1)
         return logits, loss
 
     def forward_cached(

@@ -389,12 +389,14 @@ def from_pretrained(name_or_path: str = "gpt2", **overrides) -> GPT:
     """A local folder/file, or a model name found in the local Hugging Face cache; never downloads."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
-    if Path(name_or_path).exists():
-        return load_model(name_or_path, **overrides)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return load_model(path, **overrides)
     text = os.fspath(name_or_path)
     if isinstance(name_or_path, os.PathLike) or text.startswith(("/", ".", "~")):
-        # plainly a path (a hub name is "org/name"): say so instead of searching the cache for it
-        raise FileNotFoundError(f"no such file or folder: {text!r}")
+        # plainly a path (a hub name is "name" or "org/name"): say so instead of searching the cache for it
+        raise FileNotFoundError(f"name_or_path {text!r}: no such file or folder (a local path; a model in the "
+                                "Hugging Face cache is named 'name' or 'org/name')")
     snap, looked = find_in_hf_cache(str(name_or_path))
     if snap is None:
         raise FileNotFoundError(

@@ -27,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler: equal seeds, equal text "
                         "(default: a fresh draw)")
     parser.add_argument("--attention", default=None, help="swap the attention mechanism (e.g. linear); weights kept")
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    parser.add_argument("--device", default="cpu", help="cpu (default), auto, cuda, cuda:N or mps")
 
 
 def _saved_tokenizer(checkpoint) -> str | None:

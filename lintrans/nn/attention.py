@@ -234,8 +234,8 @@ class NoMixingAttention(QKVAttention):
 # feature maps by name: parameter-free ones go straight to the op as a name; learnable or random
 # ones are modules from lintrans.nn.feature_maps.
 
-# name -> (module class, whether q and k must share one module)
-MODULE_FEATURE_MAPS = {"rebased": (ReBased, False), "hedgehog": (Hedgehog, False), "performer": (Performer, True)}
+# name -> module class (``shared_by_q_and_k`` on the class: queries and keys must share one module)
+MODULE_FEATURE_MAPS = {"rebased": ReBased, "hedgehog": Hedgehog, "performer": Performer}
 
 
 def feature_map_names() -> list[str]:
@@ -251,7 +251,8 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
             raise ValueError(f"feature map {name!r} takes no feature_map_options, got {sorted(options)}")
         return name
     check_choice("attention_options['feature_map']", name, feature_map_names())
-    cls, must_share = MODULE_FEATURE_MAPS[name]
+    cls = MODULE_FEATURE_MAPS[name]
+    must_share = getattr(cls, "shared_by_q_and_k", False)
     if shared_qk is None:
         shared_qk = must_share
     if must_share and not shared_qk:

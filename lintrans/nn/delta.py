@@ -20,6 +20,7 @@ its size does not depend on how many tokens it covers.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,8 +34,11 @@ from lintrans.ops.delta.api import NATIVE_CHUNK
 from lintrans.ops.delta.reference import l2_normalized
 from lintrans.ops.linear import linear_attention, linear_attention_step
 
-from .attention import QKVAttention, check_options
+from .attention import LinearAttention, QKVAttention, check_options
 from .registry import register_attention
+
+
+ADDITIVE_CHUNK = 64  # rule="linear": linear_attention's default chunk
 
 
 @dataclass
@@ -163,7 +167,7 @@ class DeltaNet(QKVAttention):
     def additive_rule(self, q, k, v, beta, ld, state, step: bool, use_cache: bool):
         """rule="linear": the delta rule's inputs (q, k L2-normalised, scale Dk^-1/2, beta, the decay) through
         plain linear attention, unnormalised: the state (S, z) only adds. q, k, v [B, T, H, D]."""
-        q, k = l2_normalized(q), l2_normalized(k)
+        q, k = l2_normalized(q), l2_normalized(k)  # in the input dtype (the delta-rule op's in float32 at least)
         v = v * beta[..., None]  # beta_t k_t v_t^T
         opts = dict(feature_map="identity", normalize=False, scale=self.head_dim ** -0.5)
         if step:
@@ -171,7 +175,7 @@ class DeltaNet(QKVAttention):
             o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, log_decay=ld, **opts)
             return o[:, None], state  # [B,1,H,D]
         form = "state_loop" if self.form == "recurrent" else "chunked"
-        return linear_attention(q, k, v, form=form, chunk_size=self.chunk_size or 64, log_decay=ld,
+        return linear_attention(q, k, v, form=form, chunk_size=self.chunk_size or ADDITIVE_CHUNK, log_decay=ld,
                                 initial_state=state, output_final_state=use_cache, **opts)
 
     def qkv_split(self, u: torch.Tensor):
@@ -202,12 +206,8 @@ class DeltaNet(QKVAttention):
         and P U' (2 L^2 (3 + 2) h), U - W S, Q S and the state update K^T U' (6 L h^2), and the
         unit-triangular inverse (2/3 L^3)."""
         N, h = shape.n_head, shape.head_dim
-        if cls.option(shape, "rule") == "linear":  # as LinearAttention's count, F = h, E = h + 1 (z's column)
-            if cls.option(shape, "form") == "recurrent":
-                return float(2 * B * N * T * h * (h + 1))
-            c = min(cls.option(shape, "chunk_size") or 64, T)
-            n, r = divmod(T, c)
-            return float(4 * B * N * T * h * (h + 1) + 2 * B * N * (n * c * c + r * r) * (2 * h + 1))
+        if cls.option(shape, "rule") == "linear":
+            return LinearAttention.core_flops(cls.additive_shape(shape), T, B)
         if cls.option(shape, "form") == "recurrent":
             return float(6 * B * N * T * h * h)
         c = min(cls.option(shape, "chunk_size") or NATIVE_CHUNK, T)
@@ -219,9 +219,16 @@ class DeltaNet(QKVAttention):
     def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
         """S per head (float32 whatever the model's dtype) and the convolution's last K-1 inputs."""
         conv = (shape.n_head + 2 * shape.kv_heads) * shape.head_dim * max(cls.option(shape, "conv_size") - 1, 0)
-        h = shape.head_dim
-        state = h * h + (h if cls.option(shape, "rule") == "linear" else 0)  # rule="linear": the op's state carries z
-        return B * shape.n_head * state * 4 + B * conv * dtype_bytes
+        if cls.option(shape, "rule") == "linear":  # linear attention's (S, z)
+            return LinearAttention.cache_bytes(cls.additive_shape(shape), T, B) + B * conv * dtype_bytes
+        return B * shape.n_head * shape.head_dim * shape.head_dim * 4 + B * conv * dtype_bytes
+
+    @classmethod
+    def additive_shape(cls, shape):
+        """rule="linear": the shape LinearAttention's cost terms read for the op this layer then runs."""
+        form = "state_loop" if cls.option(shape, "form") == "recurrent" else "chunked"
+        return dataclasses.replace(shape, attention="linear", form=form, feature_dim=shape.head_dim,
+                                   chunk_size=cls.option(shape, "chunk_size") or ADDITIVE_CHUNK, attention_options={})
 
 
 @register_attention("gated-deltanet")

@@ -15,8 +15,9 @@ DEFAULT_CONFIG = "tiny"  # what a bare `lintrans train` trains
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from lintrans.config import add_arguments, flatten
+    from lintrans.tokenizer import ByteTokenizer, GPT2Tokenizer
 
-    from .config import TrainConfig, read_config_file
+    from .config import SHIPPED_CONFIGS, TrainConfig, padded_vocab, read_config_file
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2]
@@ -32,8 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        "the bare command, the shipped tiny config with GPTConfig's and TrainConfig's defaults for "
                        "what it leaves unset; with --config FILE unset keys take those of TrainConfig and "
                        "GPTConfig (--print-config shows the result; see docs/training.md)")
-    shown = flatten(TrainConfig, read_config_file(DEFAULT_CONFIG))
-    shown.setdefault("model.vocab_size", "the tokenizer's, rounded up to a multiple of 64 (bytes: 256, gpt2: 50304)")
+    shown = flatten(TrainConfig, read_config_file(SHIPPED_CONFIGS / f"{DEFAULT_CONFIG}.toml"))  # never ./tiny
+    sizes = ", ".join(f"{t.name}: {padded_vocab(t.vocab_size)}" for t in (ByteTokenizer, GPT2Tokenizer))
+    shown.setdefault("model.vocab_size", f"the tokenizer's, rounded up to a multiple of 64 ({sizes})")
     add_arguments(keys, TrainConfig, defaults=shown)
     # every key is listed below; the usage line would otherwise repeat all of them
     parser.usage = "%(prog)s [-h] [--config FILE] [--set KEY=VALUE] [--print-config] [--device DEVICE] [--SECTION.KEY VALUE ...]"
@@ -42,14 +44,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from lintrans.config import given_flags
 
-    from .config import load_config
+    from .config import SHIPPED_CONFIGS, load_config
 
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device is not None else [])
     overrides += [f"{key}={value}" for key, value in given_flags(args)]
     config = args.config
     if config is None:
         # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU
-        config = DEFAULT_CONFIG
+        config = SHIPPED_CONFIGS / f"{DEFAULT_CONFIG}.toml"  # the package's, never a file named tiny here
         print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, bytes, "
               "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
     try:

@@ -91,7 +91,9 @@ def test_loss_without_logits_equals_plain_loss_and_grads(attention):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="return_logits=False needs targets"):
         model(idx, return_logits=False)
-    # bad targets: the same one-line errors on both paths
+    # int32 targets work on both paths; bad targets get the same one-line errors on both
+    torch.testing.assert_close(model(idx, targets.int())[1], ref, rtol=0, atol=0)
+    torch.testing.assert_close(model(idx, targets.int(), return_logits=False)[1], ref, rtol=1e-12, atol=1e-12)
     for return_logits in (True, False):
         with pytest.raises(ValueError, match=r"targets must have the shape of idx \(2, 9\), got \(2, 4\)"):
             model(idx, targets[:, :4], return_logits=return_logits)

@@ -224,8 +224,12 @@ def test_from_pretrained_reads_the_local_cache(tmp_path, monkeypatch):
         GPT.from_pretrained("openai-community/gpt2-xl")
     # a mistyped path is a missing path, not a model name to look up in the cache
     for path in (str(tmp_path / "no-such-run"), "./typo/checkpoint", tmp_path / "absent"):
-        with pytest.raises(FileNotFoundError, match="^no such file or folder: '.*(no-such-run|typo/checkpoint|absent)'$"):
+        with pytest.raises(FileNotFoundError, match="^name_or_path '.*(no-such-run|typo/checkpoint|absent)': no such "
+                                                    "file or folder"):
             GPT.from_pretrained(path)
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is expanded: a saved model under the home folder loads
+    save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11)), tmp_path / "mine")
+    assert GPT.from_pretrained("~/mine").config.n_embd == 16
 
 
 def test_linearising_keeps_every_weight(tmp_path, monkeypatch):

@@ -28,4 +28,15 @@ def test_every_training_key_is_listed_with_help_type_and_default(capsys, monkeyp
     assert "--train.max_steps INT optimizer steps of the whole run [an int >= 1; default 1500]" in out
     bare = load_config("tiny")
     assert bare.model["n_layer"] == 4 and bare.train.max_steps == 1500 and bare.optim.lr == 2e-3
-    assert "--model.vocab_size INT" in out and "default the tokenizer's, rounded up to a multiple of 64" in out
+    assert ("--model.vocab_size INT" in out and
+            "default the tokenizer's, rounded up to a multiple of 64 (bytes: 320, gpt2: 50304)]" in out)
+
+
+def test_a_file_named_like_the_shipped_config_does_not_shadow_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("junk")
+    assert main(["train", "--print-config"]) == 0  # the bare command: the package's tiny config
+    assert "n_layer: 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
