@@ -43,7 +43,19 @@ def check_choice(name: str, value, allowed) -> None:
     except TypeError:  # an unhashable value against a set or dict's keys
         known = False
     if not known:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}{_did_you_mean(value, allowed)}")
+
+
+def _did_you_mean(value, allowed) -> str:
+    """" (did you mean 'x'?)" for a string close to one allowed string (a typo, - for _), else ""."""
+    if not isinstance(value, str):
+        return ""
+    import difflib
+
+    names = [a for a in allowed if isinstance(a, str)]
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.75) or [
+        a for a in names if a.lower().replace("_", "-") == value.lower().replace("_", "-")]
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_known_keys(what: str, given, allowed, where: str = "") -> None:
