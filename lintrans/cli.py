@@ -10,6 +10,7 @@ import importlib
 import os
 import shlex
 import sys
+import warnings
 
 from . import __version__
 
@@ -84,7 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args.command_line = shlex.join(["lintrans", *argv])  # for records that name the command that made them
-    return int(_load(args.command).run(args) or 0)
+    shown = warnings.formatwarning
+    warnings.formatwarning = _one_line  # a CLI user reads the warning, not the source line that raised it
+    try:
+        return int(_load(args.command).run(args) or 0)
+    finally:
+        warnings.formatwarning = shown
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"lintrans: {category.__name__}: {message}\n"
 
 
 if __name__ == "__main__":

@@ -108,3 +108,21 @@ def test_sample_falls_back_to_checkpoint_old_and_warns_on_swapped_attention(tmp_
     assert main(args) == 0
     with pytest.warns(UserWarning, match="trained with 'softmax' attention and is loaded with 'linear'"):
         assert main([*args, "--attention", "linear"]) == 0
+
+
+def test_cli_warnings_are_one_line_while_a_command_runs(tmp_path, monkeypatch):
+    import warnings
+
+    from lintrans import cli
+
+    seen = []
+    sample = cli._load("sample")
+
+    def run(args):
+        seen.append(warnings.formatwarning(UserWarning("careful"), UserWarning, "x.py", 3, "src"))
+
+    monkeypatch.setattr(sample, "run", run)
+    before = warnings.formatwarning
+    assert main(["sample", "--checkpoint", str(tmp_path)]) == 0
+    assert seen == ["lintrans: UserWarning: careful\n"]  # no file, line number or source line
+    assert warnings.formatwarning is before  # restored after the command
