@@ -46,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
 
     from .config import SHIPPED_CONFIGS, load_config
 
+    flags = given_flags(args)
+    if args.device is not None and any(key == "train.device" for key, _ in flags):
+        print("lintrans train: give --device or --train.device, not both (they are the same key)", file=sys.stderr)
+        return 2
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device is not None else [])
-    overrides += [f"{key}={value}" for key, value in given_flags(args)]
+    overrides += [f"{key}={value}" for key, value in flags]
     config = args.config
     if config is None:
         # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU

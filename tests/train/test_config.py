@@ -117,6 +117,12 @@ def test_cli_reports_config_errors(capsys, tmp_path):
     assert main(["train", "--train.max_steps", "9", "--set", "model.n_layer=2", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "max_steps: 9" in out and "n_layer: 2" in out
+    # --device is train.device: both at once is a contradiction, whichever order
+    for argv in (["--device", "cpu", "--train.device", "cuda"], ["--train.device", "cuda", "--device", "cpu"]):
+        assert main(["train", *argv, "--print-config"]) == 2
+        assert "give --device or --train.device, not both" in capsys.readouterr().err
+    assert main(["train", "--device", "cpu", "--print-config"]) == 0
+    assert "device: cpu" in capsys.readouterr().out
 
 
 def test_bare_train_uses_the_shipped_tiny_config_and_configs_load_by_name(capsys):
