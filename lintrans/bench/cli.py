@@ -151,12 +151,13 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
 
     t0 = time.perf_counter()
     if which == "ops":
-        from .ops import GATED_OP, op_series, run_ops
+        from .ops import GATED_OP, op_series, run_ops, select_series
         from lintrans.ops.chunk_tuning import auto_chunk_size
 
         chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device)  # noqa: E731 (elu: F = D)
         gated_chunk = lambda T: auto_chunk_size(T, 64, 64, torch.float32, device, gated=True)  # noqa: E731
-        n = len(op_series(64, device=device)) * len(prof.ops_T)
+        series = op_series(64, device=device)
+        n = len(select_series(series, prof.ops_only) if prof.ops_only else series) * len(prof.ops_T)
         bar = Progress(n, "ops")
         points = run_ops(prof.ops_T, prof.caps, only=prof.ops_only, chunk_size=chunk, gated_chunk=gated_chunk,
                          device=device, on_point=bar, backward=not prof.forward_only,

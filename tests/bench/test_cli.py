@@ -412,3 +412,23 @@ def test_a_failed_point_says_why_beside_the_table(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "error" in captured.out  # the table's cells
     assert "error: ValueError: no such thing (linear chunked T=256, linear chunked T=512)" in captured.err
+
+
+def test_the_ops_progress_bar_counts_only_the_selected_series(monkeypatch):
+    from lintrans.bench import cli as bench_cli
+
+    totals = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            totals.append(total)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_cli, "Progress", Bar)
+    monkeypatch.setattr("lintrans.bench.ops.run_ops", lambda Ts, caps, **kw: [])
+    prof = bench_cli.profiles()["quick"]
+    prof.ops_T, prof.ops_only = [256, 512, 1024], ["linear chunked", "softmax (SDPA)"]
+    bench_cli.run_benchmark("ops", prof)
+    assert totals == [2 * 3]
