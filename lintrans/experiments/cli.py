@@ -73,7 +73,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         help="change one setting, e.g. --set steps=300 (repeatable; the same as its flag)")
         group = sp.add_argument_group("settings", "what the study measures (defaults: the study's; with --quick "
                                                   "its tiny ones); recorded in NAME.json")
-        add_arguments(group, settings_class(name, mod.DEFAULT, getattr(mod, "LIMITS", None)), dest="setting:")
+        add_arguments(group, settings_class(name, mod.DEFAULT, getattr(mod, "LIMITS", None), getattr(mod, "HELP", None)),
+                      dest="setting:")
 
 
 def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] = None) -> dict:

@@ -513,15 +513,15 @@ def _type_of(value):
 POSITIVE = {"low": 1}  # a setting's limits, as field metadata (lintrans.config): an int >= 1
 
 
-def settings_class(name: str, default: dict, limits: Optional[dict] = None) -> type:
+def settings_class(name: str, default: dict, limits: Optional[dict] = None, help: Optional[dict] = None) -> type:
     """A study's settings as a dataclass (names, types and defaults from its ``DEFAULT``, limits from
     its ``LIMITS``: setting name -> field metadata such as ``POSITIVE``, and ``type`` where the default
-    cannot say it, e.g. ``list[int]`` for an empty list), so the command line, --set
-    and files check them with ``lintrans.config`` like every other config."""
-    limits = limits or {}
+    cannot say it, e.g. ``list[int]`` for an empty list; ``help``: setting name -> its --help text), so
+    the command line, --set and files check them with ``lintrans.config`` like every other config."""
+    limits, help = limits or {}, help or {}
     fields = []
     for k, v in default.items():
-        meta = dict(limits.get(k, {}))
+        meta = dict(limits.get(k, {}), **({"help": help[k]} if k in help else {}))
         typ = meta.pop("type", None) or _type_of(v)  # an empty default list says nothing of its entries
         fields.append((k, typ, dataclasses.field(default_factory=functools.partial(copy.deepcopy, v), metadata=meta)))
     return dataclasses.make_dataclass(f"{name.title()}Settings", fields)

@@ -375,3 +375,17 @@ def test_distill_baseline_is_scored_on_the_models_held_out_tokens():
     targets = np.asarray(data.val)[1:257]  # the windows' targets: the 256 bytes after the first
     assert got == pytest.approx(float(-logp[targets].mean()), rel=1e-12)
     assert got != pytest.approx(float(-logp[np.asarray(data.val)].mean()), rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["context", "recall", "regression", "distill"])
+def test_every_setting_of_a_study_has_help_text(name, capsys, monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(f"lintrans.experiments.{name}")
+    assert set(mod.HELP) == set(mod.DEFAULT), "HELP names exactly the study's settings"
+    monkeypatch.setenv("COLUMNS", "10000")
+    with pytest.raises(SystemExit):
+        main(["experiment", name, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for key, text in mod.HELP.items():
+        assert f"--{key.replace('_', '-')} " in out and " ".join(text.split()) in out, key
