@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line  # a CLI user reads the warning, not the source line that raised it
     try:
         return int(_load(args.command).run(args) or 0)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr)  # a command's one-line error: exit status 2, as every command's
+        return 2
     finally:
         warnings.formatwarning = shown
 
