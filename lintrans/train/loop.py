@@ -179,8 +179,9 @@ def _check_resume(path: Path, saved: dict, cfg: TrainConfig, gpt_dict: dict) -> 
                   for k in ("hf_split", "hf_text_column") if k in old_data and old_data[k] != getattr(cfg.data, k)]
     if diffs:
         raise ValueError(
-            f"checkpoint {path} does not match this config ({'; '.join(diffs)}); use a new train.out_dir "
-            "or set train.resume=never with a new out_dir"
+            f"checkpoint {path} does not match this config ({'; '.join(diffs)}); to continue that run, pass "
+            f"--config {path.parent / 'config.yaml'} (the config it was started with); for a new run, a new "
+            "train.out_dir"
         )
 
 

@@ -68,8 +68,10 @@ def test_resume_after_crash_between_renames(tiny_config):
 
 def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
     train(tiny_config(**{"train.stop_after_steps": 1}))
-    with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now"):
+    with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now.*to continue that run, pass "
+                                         "--config .*run/config.yaml"):
         train(tiny_config(**{"model.n_layer": 2}))
+    assert (tmp_path / "run" / "config.yaml").is_file()  # the file the message names
     with pytest.raises(ValueError, match="data.tokenizer"):
         train(tiny_config(**{"data.tokenizer": "gpt2", "model.vocab_size": 50304}))
     with pytest.raises(ValueError, match="already holds a checkpoint"):
