@@ -497,7 +497,7 @@ def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report
     planned = plan(s, out, load().info["sha256"]) if out is not None else None
     for m, T, finished in planned or ():
         todo[(m, T)] = todo.get((m, T), 0) + (not finished)
-    threads = max(1, study.cpu_cores() // jobs)
+    threads = study.run_threads(jobs)  # as the runs will have them
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     n_evals = len(range(0, s["steps"], s["eval_every"])) + 1

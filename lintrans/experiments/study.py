@@ -127,6 +127,12 @@ _QUEUE = None
 _PENDING = [0, 0.0]
 
 
+def run_threads(jobs: int) -> int:
+    """Torch threads each run gets: the process's own with one job (it trains in this process),
+    else the cores shared out among the worker processes."""
+    return torch.get_num_threads() if jobs == 1 else max(1, cpu_cores() // jobs)
+
+
 def _init_worker(progress_queue, threads: int) -> None:
     global _QUEUE
     _QUEUE = progress_queue
@@ -206,7 +212,7 @@ class Runner:
 
         ctx = multiprocessing.get_context("spawn")
         progress_queue = ctx.Queue()
-        threads = max(1, cpu_cores() // self.jobs)
+        threads = run_threads(self.jobs)
         folder = str(self.store.folder.parent)
         with ProcessPoolExecutor(self.jobs, mp_context=ctx, initializer=_init_worker,
                                  initargs=(progress_queue, threads)) as pool:

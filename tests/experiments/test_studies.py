@@ -389,3 +389,18 @@ def test_every_setting_of_a_study_has_help_text(name, capsys, monkeypatch):
     out = " ".join(capsys.readouterr().out.split())
     for key, text in mod.HELP.items():
         assert f"--{key.replace('_', '-')} " in out and " ".join(text.split()) in out, key
+
+
+def test_runs_get_the_processes_threads_with_one_job_and_a_share_of_the_cores_with_more(monkeypatch):
+    import torch
+
+    from lintrans.experiments import study
+
+    monkeypatch.setattr(study, "cpu_cores", lambda: 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # as OMP_NUM_THREADS=3 would
+        assert study.run_threads(1) == 3  # in this process: what it already has
+        assert study.run_threads(2) == 4 and study.run_threads(16) == 1
+    finally:
+        torch.set_num_threads(before)
