@@ -573,6 +573,10 @@ def panels(titles: list, *, sharey: bool = False, size=(3.3, 2.7)):
 
 
 def finish_panels(fig, axes, xlabel: str, ylabel: str, title: str) -> None:
+    import textwrap
+
     for ax in axes:
         style(ax, xlabel, ylabel)
-    fig.suptitle(title, fontsize=9)
+    # each line wrapped to the figure's width: a one-panel figure would otherwise crop a long title
+    chars = max(40, int(fig.get_figwidth() * 72 / (9 * 0.55)))
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in title.split("\n")), fontsize=9)
