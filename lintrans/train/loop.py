@@ -232,7 +232,10 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
     ignored = sorted(k for k in cfg.model if k not in WEIGHT_PRESERVING)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = from_pretrained(cfg.train.init_from, **overrides)
+        try:
+            model = from_pretrained(cfg.train.init_from, **overrides)
+        except FileNotFoundError as e:  # say which setting named it
+            raise FileNotFoundError(f"train.init_from: {e}") from None
     trained_with = None
     for w in caught:
         # the swap warning tells a sampler to fine-tune; this run is that fine-tuning, so it is news only
