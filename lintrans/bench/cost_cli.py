@@ -69,15 +69,13 @@ def _b(n: float) -> str:
 def _check(args) -> None:
     """ValueError naming the first bad flag."""
     shape = ("n_layer", "n_head", "n_embd")
-    if args.size:
-        given = [f"--{f.replace('_', '-')}" for f in shape if getattr(args, f) is not None]
-        if given:
-            raise ValueError(f"--size sets --n-layer, --n-head and --n-embd; give either it or {', '.join(given)}")
-        size = model_size(args.size)
-        args.n_layer, args.n_head, args.n_embd = size.n_layer, size.n_head, size.n_embd
-    for flag, default in zip(shape, (12, 12, 768)):  # GPT-2 124M
+    given = [f"--{f.replace('_', '-')}" for f in shape if getattr(args, f) is not None]
+    if args.size and given:
+        raise ValueError(f"--size sets --n-layer, --n-head and --n-embd; give either it or {', '.join(given)}")
+    size = model_size(args.size or "gpt2-124m")  # unset flags: GPT-2 124M's
+    for flag in shape:
         if getattr(args, flag) is None:
-            setattr(args, flag, default)
+            setattr(args, flag, getattr(size, flag))
     for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size", "op_repeats"):
         check_positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.n_embd % args.n_head:

@@ -107,22 +107,17 @@ def split_mechanism(mechanism: str) -> tuple[str, str]:
     return spec, position
 
 
-HELP = {  # --help text per setting
+HELP = study.help_texts(DEFAULT, {
     "mechanisms": "models compared, each ATTENTION[:KEY=VALUE,...]@POSITION with POSITION learned, rope or none, "
                   "e.g. softmax@rope gated-deltanet:conv_size=0@none",
     "contexts": "context lengths T trained and compared (tokens per update stay the same at each)",
-    "sweep_contexts": "contexts where the rate is swept (seed 0); the others take the chosen rate interpolated in log T",
+    "sweep_contexts": "contexts where the rate is swept (seed 0); the others take the chosen rate interpolated "
+                      "in log T",
     "lrs": "peak learning rates swept per mechanism",
-    "seeds": "seeds per point; seed 0 also sweeps the learning rates",
-    "n_layer": "layers of every model",
-    "n_head": "attention heads per layer",
-    "n_embd": "model width",
     "tokens_per_update": "tokens per optimizer step at every context (sequences per step = this / T)",
-    "steps": "optimizer steps per run",
-    "eval_every": "steps between held-out evaluations",
     "val_tokens": "held-out tokens evaluated, cut into windows of T",
     "corpus": "the text: python-stdlib-code (the running Python's standard library sources, split by file)",
-}
+})
 LIMITS = dict.fromkeys(("n_layer", "n_head", "n_embd", "tokens_per_update", "steps", "eval_every", "val_tokens",
                         "seeds"), study.POSITIVE)
 

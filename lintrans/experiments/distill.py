@@ -78,18 +78,13 @@ QUICK = {
 MAPS = ("hedgehog", "elu", "based", "performer", "softmax")
 
 
-HELP = {
+HELP = study.help_texts(DEFAULT, {
     "maps": "feature maps that replace the teacher's softmax (softmax: the teacher itself, the control)",
     "teacher_lrs": "learning rates swept for the softmax teacher",
     "lrs": "fine-tuning learning rates swept per map",
-    "seeds": "seeds per point; seed 0 also sweeps the learning rates",
-    "n_layer": "layers of every model",
-    "n_head": "attention heads per layer",
-    "n_embd": "model width",
     "context": "context length T of teacher and students",
     "tokens_per_update": "tokens per optimizer step",
     "teacher_steps": "optimizer steps training each teacher",
-    "eval_every": "steps between held-out evaluations",
     "val_tokens": "held-out tokens evaluated",
     "distill_steps": "steps fitting Hedgehog's maps to the teacher's attention weights",
     "distill_batch": "sequences per distillation step",
@@ -97,7 +92,7 @@ HELP = {
     "finetune_steps": "steps fine-tuning each replaced model",
     "kl_windows": "held-out windows over which the attention KL is measured",
     "source": "the text (a data source as train's data.source, default the embedded corpus)",
-}
+})
 LIMITS = dict.fromkeys(("seeds", "n_layer", "n_head", "n_embd", "context", "tokens_per_update", "teacher_steps",
                        "eval_every", "val_tokens", "distill_steps", "distill_batch", "finetune_steps", "kl_windows"),
                       study.POSITIVE)

@@ -90,20 +90,15 @@ QUICK = {
 PUBLISHED_BASED = [(1e4, 0.67), (1.5e5, 0.97)]
 
 
-HELP = {
-    "mechanisms": "attention specs compared, each NAME[:KEY=VALUE,...], e.g. linear:elu gated-deltanet:conv_init=identity",
+HELP = study.help_texts(DEFAULT, {
+    "mechanisms": "attention specs compared, each NAME[:KEY=VALUE,...], e.g. linear:elu "
+                  "gated-deltanet:conv_init=identity",
     "shapes": "model shapes as a JSON list of [width, heads], e.g. '[[64,4],[128,8]]'",
     "lrs": "peak learning rates swept per mechanism and shape",
-    "seeds": "seeds per point; seed 0 also sweeps the learning rates",
-    "n_layer": "layers of every model",
     "vocab_size": "tokens: keys from one half, values from the other",
     "pairs": "key-value pairs per held-out sequence (T = 4 x pairs)",
     "train_pairs": "pair counts the training steps cycle through, each <= pairs (empty: pairs alone)",
-    "steps": "optimizer steps per run",
-    "batch_size": "sequences per step",
-    "eval_every": "steps between held-out evaluations",
-    "eval_batch": "held-out sequences scored",
-}
+})
 LIMITS = dict.fromkeys(("seeds", "n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch"),
                       study.POSITIVE)
 LIMITS["train_pairs"] = {"type": list[int], **study.POSITIVE}

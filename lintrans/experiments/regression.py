@@ -65,24 +65,16 @@ QUICK = {
 }
 
 
-HELP = {
+HELP = study.help_texts(DEFAULT, {
     "mechanisms": "attention specs compared, each NAME[:KEY=VALUE,...]",
     "lrs": "peak learning rates swept per mechanism",
-    "seeds": "seeds per point; seed 0 also sweeps the learning rates",
-    "n_layer": "layers of every model",
-    "n_head": "attention heads per layer",
-    "n_embd": "model width",
     "dim": "dimension n of w and x",
     "points": "(x, y) examples per training sequence",
     "eval_points": "examples per held-out sequence (more than points: extrapolation)",
     "start_dim": "active dimensions at the start of the curriculum",
     "start_points": "examples per sequence at the start of the curriculum",
     "curriculum": "fraction of the steps over which dimensions and examples grow to dim and points",
-    "steps": "optimizer steps per run",
-    "batch_size": "sequences per step",
-    "eval_every": "steps between held-out evaluations",
-    "eval_batch": "held-out sequences scored",
-}
+})
 LIMITS = {
     **dict.fromkeys(("seeds", "n_layer", "n_head", "n_embd", "dim", "points", "eval_points", "start_dim",
                      "start_points", "steps", "batch_size", "eval_every", "eval_batch"), study.POSITIVE),

@@ -518,6 +518,28 @@ def _type_of(value):
 
 POSITIVE = {"low": 1}  # a setting's limits, as field metadata (lintrans.config): an int >= 1
 
+# --help text of the settings several studies share (a study's own text for one takes precedence)
+COMMON_HELP = {
+    "seeds": "seeds per point; seed 0 also sweeps the learning rates",
+    "n_layer": "layers of every model",
+    "n_head": "attention heads per layer",
+    "n_embd": "model width",
+    "steps": "optimizer steps per run",
+    "batch_size": "sequences per step",
+    "eval_every": "steps between held-out evaluations",
+    "eval_batch": "held-out sequences scored",
+}
+
+
+def help_texts(default: dict, own: dict) -> dict:
+    """Each setting of a study's ``default`` -> its --help text: ``own`` where the study has one, else
+    COMMON_HELP's. A setting with neither, or ``own`` text for no setting, is a KeyError (a stale text)."""
+    missing = [k for k in default if k not in own and k not in COMMON_HELP]
+    stale = [k for k in own if k not in default]
+    if missing or stale:
+        raise KeyError(f"settings without help text: {missing}; help text for no setting: {stale}")
+    return {k: own.get(k, COMMON_HELP.get(k)) for k in default}
+
 
 def settings_class(name: str, default: dict, limits: Optional[dict] = None, help: Optional[dict] = None) -> type:
     """A study's settings as a dataclass (names, types and defaults from its ``DEFAULT``, limits from

@@ -206,9 +206,8 @@ class GPT(nn.Module):
         if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
             got = getattr(targets, "dtype", type(targets).__name__)
             raise TypeError(f"targets must be an int64 (or int32) tensor of token ids [B, T], got {got}")
-        if targets.shape != getattr(idx, "shape", None):
-            raise ValueError(f"targets must have the shape of idx {tuple(getattr(idx, 'shape', ()))}, "
-                             f"got {tuple(targets.shape)}")
+        if targets.shape != idx.shape:  # idx: already checked
+            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
         if reads_values(targets.device):  # as for idx: on an accelerator the loss asserts on the device
             bad = (targets != -1) & ((targets < 0) | (targets >= self.config.vocab_size))
             if bool(bad.any()):

@@ -39,6 +39,7 @@ from .registry import register_attention
 
 
 ADDITIVE_CHUNK = 64  # rule="linear": linear_attention's default chunk
+ADDITIVE_FORM = {"recurrent": "state_loop", "chunked": "chunked"}  # rule="linear": the layer's form -> the op's
 
 
 @dataclass
@@ -174,9 +175,8 @@ class DeltaNet(QKVAttention):
             ld = None if ld is None else ld[:, 0]
             o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, log_decay=ld, **opts)
             return o[:, None], state  # [B,1,H,D]
-        form = "state_loop" if self.form == "recurrent" else "chunked"
-        return linear_attention(q, k, v, form=form, chunk_size=self.chunk_size or ADDITIVE_CHUNK, log_decay=ld,
-                                initial_state=state, output_final_state=use_cache, **opts)
+        return linear_attention(q, k, v, form=ADDITIVE_FORM[self.form], chunk_size=self.chunk_size or ADDITIVE_CHUNK,
+                                log_decay=ld, initial_state=state, output_final_state=use_cache, **opts)
 
     def qkv_split(self, u: torch.Tensor):
         B, T, _ = u.shape
@@ -226,9 +226,9 @@ class DeltaNet(QKVAttention):
     @classmethod
     def additive_shape(cls, shape):
         """rule="linear": the shape LinearAttention's cost terms read for the op this layer then runs."""
-        form = "state_loop" if cls.option(shape, "form") == "recurrent" else "chunked"
-        return dataclasses.replace(shape, attention="linear", form=form, feature_dim=shape.head_dim,
-                                   chunk_size=cls.option(shape, "chunk_size") or ADDITIVE_CHUNK, attention_options={})
+        chunk = cls.option(shape, "chunk_size") or ADDITIVE_CHUNK
+        return dataclasses.replace(shape, attention="linear", form=ADDITIVE_FORM[cls.option(shape, "form")],
+                                   feature_dim=shape.head_dim, chunk_size=chunk, attention_options={})
 
 
 @register_attention("gated-deltanet")

@@ -13,11 +13,18 @@ import sys
 DEFAULT_CONFIG = "tiny"  # what a bare `lintrans train` trains
 
 
+def default_config_path():
+    """The package's copy of DEFAULT_CONFIG, never a file of that name in the current folder."""
+    from .config import SHIPPED_CONFIGS
+
+    return SHIPPED_CONFIGS / f"{DEFAULT_CONFIG}.toml"
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     from lintrans.config import add_arguments, flatten
     from lintrans.tokenizer import ByteTokenizer, GPT2Tokenizer
 
-    from .config import SHIPPED_CONFIGS, TrainConfig, padded_vocab, read_config_file
+    from .config import TrainConfig, padded_vocab, read_config_file
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 2)[2]
@@ -33,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        "the bare command, the shipped tiny config with GPTConfig's and TrainConfig's defaults for "
                        "what it leaves unset; with --config FILE unset keys take those of TrainConfig and "
                        "GPTConfig (--print-config shows the result; see docs/training.md)")
-    shown = flatten(TrainConfig, read_config_file(SHIPPED_CONFIGS / f"{DEFAULT_CONFIG}.toml"))  # never ./tiny
+    shown = flatten(TrainConfig, read_config_file(default_config_path()))
     sizes = ", ".join(f"{t.name}: {padded_vocab(t.vocab_size)}" for t in (ByteTokenizer, GPT2Tokenizer))
     shown.setdefault("model.vocab_size", f"the tokenizer's, rounded up to a multiple of 64 ({sizes})")
     add_arguments(keys, TrainConfig, defaults=shown)
@@ -44,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from lintrans.config import given_flags
 
-    from .config import SHIPPED_CONFIGS, load_config
+    from .config import load_config
 
     flags = given_flags(args)
     if args.device is not None and any(key == "train.device" for key, _ in flags):
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     config = args.config
     if config is None:
         # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU
-        config = SHIPPED_CONFIGS / f"{DEFAULT_CONFIG}.toml"  # the package's, never a file named tiny here
+        config = default_config_path()
         print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, bytes, "
               "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
     try:

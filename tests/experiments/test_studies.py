@@ -404,3 +404,15 @@ def test_runs_get_the_processes_threads_with_one_job_and_a_share_of_the_cores_wi
         assert study.run_threads(2) == 4 and study.run_threads(16) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_help_texts_take_a_studys_own_then_the_shared_and_refuse_gaps():
+    from lintrans.experiments import study
+
+    assert study.help_texts({"seeds": 3, "pairs": 4}, {"pairs": "pairs"}) == {
+        "seeds": study.COMMON_HELP["seeds"], "pairs": "pairs"}
+    assert study.help_texts({"seeds": 3}, {"seeds": "mine"}) == {"seeds": "mine"}
+    with pytest.raises(KeyError, match=r"settings without help text: \['pairs'\]"):
+        study.help_texts({"pairs": 4}, {})
+    with pytest.raises(KeyError, match=r"help text for no setting: \['gone'\]"):
+        study.help_texts({"seeds": 3}, {"gone": "x"})
