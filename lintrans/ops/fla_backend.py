@@ -53,8 +53,10 @@ def check_fla_case(q: torch.Tensor, form: str) -> None:
                          "use backend='torch'")
 
 
-def _decayed_backward_refused() -> bool:
-    """True where fla refuses a decayed backward (Hopper with 3.4 <= Triton < 3.7.1; fla's own test)."""
+def _triton_miscompiles_gated_backward() -> bool:
+    """True on Hopper with 3.4 <= Triton < 3.7.1 (fla's own test, its issue #640). There fla runs a gated
+    (``g``) backward in TileLang where that is installed and refuses it otherwise; its ``g_gamma``
+    backward has no TileLang version and no guard, so a fixed decay must go as ``g``."""
     try:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     except ImportError:  # another fla version: no such refusal known
@@ -78,7 +80,7 @@ def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, sca
         g = log_decay.to(fq.dtype)
         backward = torch.is_grad_enabled() and any(
             t.requires_grad for t in (fq, fk, vs, g) + (() if S0 is None else (S0,)))
-        if g.dim() == 1 and not (backward and (g.requires_grad or _decayed_backward_refused())):
+        if g.dim() == 1 and not (backward and (g.requires_grad or _triton_miscompiles_gated_backward())):
             g, g_gamma = None, g
         elif g.dim() == 1:
             g = g.expand(B, T, H).contiguous()
