@@ -56,6 +56,9 @@ class DeltaNetOptions:
     allow_neg_eigval: bool = field(default=False, metadata={
         "help": "beta = 2 sigmoid(x W_beta) in [0, 2]: negative eigenvalues of the state transition"})
     norm_eps: float = field(default=1e-5, metadata={"low": 0, "help": "epsilon of the output RMSNorm"})
+    output_norm: bool = field(default=True, metadata={
+        "help": "normalise each head's output by its RMS, with a learned weight (false: an ablation; the delta "
+                "rule's state stays bounded without it, an additive one's does not)"})
     output_gate: bool = field(default=True, metadata={
         "help": "multiply the normalised output by SiLU(x W_g) (Gated DeltaNet's design; flash-linear-attention's "
                 "DeltaNet leaves it out by default)"})
@@ -123,7 +126,7 @@ class DeltaNet(QKVAttention):
                 self.conv.weight.zero_()[..., -1] = 1.0  # tap K-1 multiplies the current input
         self.beta_proj = nn.Linear(C, H, bias=config.bias)
         self.g_proj = nn.Linear(C, H * D, bias=config.bias) if opts["output_gate"] else None
-        self.o_norm = nn.Parameter(torch.ones(D))
+        self.o_norm = nn.Parameter(torch.ones(D)) if opts["output_norm"] else None
         self.beta_max = 2.0 if opts["allow_neg_eigval"] else 1.0
         self.norm_eps = opts["norm_eps"]
         self.rule = opts["rule"]
@@ -160,7 +163,8 @@ class DeltaNet(QKVAttention):
         else:
             o, S = delta_rule(q, k, v, beta, log_decay=ld, form=self.form, chunk_size=self.chunk_size,
                               initial_state=S, output_final_state=use_cache)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
+        if self.o_norm is not None:
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
         if self.g_proj is not None:
             o = o * F.silu(self.g_proj(x)).view(B, T, self.n_head, self.head_dim)
         return self.out(o), ((conv_prev, S) if use_cache else None)
@@ -197,7 +201,8 @@ class DeltaNet(QKVAttention):
     def extra_parameters(cls, shape) -> int:
         """Parameters outside the projections: the convolution, the RMSNorm weight, A_log and dt_bias."""
         conv = (shape.n_head + 2 * shape.kv_heads) * shape.head_dim * cls.option(shape, "conv_size")
-        return conv + shape.head_dim + (2 * shape.n_head if cls.GATED else 0)
+        norm = shape.head_dim if cls.option(shape, "output_norm") else 0
+        return conv + norm + (2 * shape.n_head if cls.GATED else 0)
 
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:

@@ -62,7 +62,8 @@ def reference(layer, x):
         S = at * S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
         outs.append(D ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outs, 1)  # [B,T,H,D]
-    o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + opts["norm_eps"]) * layer.o_norm
+    if opts["output_norm"]:
+        o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + opts["norm_eps"]) * layer.o_norm
     if opts["output_gate"]:
         o = o * F.silu(linear(x, layer.g_proj)).reshape(B, T, H, D)
     return linear(o.reshape(B, T, C), layer.c_proj)
@@ -73,6 +74,7 @@ def reference(layer, x):
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 @pytest.mark.parametrize("opts", [{"chunk_size": 4}, {"form": "recurrent", "conv_size": 2, "allow_neg_eigval": True},
                                   {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3, "output_gate": False},
+                                  {"output_norm": False, "chunk_size": 4},
                                   {"rule": "linear", "chunk_size": 4}, {"rule": "linear", "form": "recurrent"}])
 def test_layer_equals_token_loop_outputs_and_grads(attention, T, n_kv_head, opts):
     layer = perturbed_layer(attention, opts, n_kv_head=n_kv_head)
@@ -279,6 +281,10 @@ def test_cost_terms(attention, n_kv_head, bias):
     ungated = config(attention, {"output_gate": False}, n_layer=2, n_embd=32, n_kv_head=n_kv_head, bias=bias,
                      vocab_size=50)
     assert parameters(ModelShape.from_config(ungated))["total"] == sum(p.numel() for p in GPT(ungated).parameters())
+    unnormed = config(attention, {"output_norm": False}, n_layer=2, n_embd=32, n_kv_head=n_kv_head, bias=bias,
+                      vocab_size=50)
+    assert GPT(unnormed).transformer.h[0].attn.o_norm is None
+    assert parameters(ModelShape.from_config(unnormed))["total"] == sum(p.numel() for p in GPT(unnormed).parameters())
     # the cache the model keeps (float32) is what the cost model says, at any length
     assert state_floats(model, 40) * 4 * 2 == cache_bytes(shape, 40) == cache_bytes(shape, 4000)
     N, h = 4, 8
