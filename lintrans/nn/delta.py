@@ -9,7 +9,8 @@ in flash-linear-attention's layout:
     o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op
               (rule="linear", an ablation: S_t = a_t S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t / sqrt(Dk))
     y       = (RMSNorm(o) * SiLU(x W_g)) W_o              RMSNorm per head, weight shared by the heads
-                                                          (output_gate=False: RMSNorm(o) W_o)
+                                                          (output_gate=False: RMSNorm(o) W_o;
+                                                           output_norm=False, an ablation: no RMSNorm)
 
 ``A_log`` and ``dt_bias`` start as in flash-linear-attention's Gated DeltaNet (A ~ U(0, 16); Mamba-2 draws
 A from U(1, 16)) and Mamba-2 (softplus(dt_bias) log-uniform in [1e-3, 0.1]). With ``n_kv_head < n_head`` the key and value heads are shared by groups

@@ -9,17 +9,17 @@ onto that one call:
 - the normaliser and the state's z come from a column of ones appended to v, as in our own forms:
   its output column is sum_j s_ij (decays and the initial z included), its state column is z;
 - a fixed decay [H] that needs no gradient is fla's ``g_gamma`` [H]; one that does is the per-token
-  decay repeated, ``g`` [B, T, H] (fla returns no gradient for ``g_gamma``). Where fla refuses a
-  decayed backward (below), ``g`` is used whenever a backward may follow, so that fla's refusal
-  applies: its ``g_gamma`` backward has the pattern its issue #640 names as miscompiled there but is
-  not guarded (fla 0.6.0).
+  decay repeated, ``g`` [B, T, H] (fla returns no gradient for ``g_gamma``). Where Triton
+  miscompiles fla's gated backward (below), ``g`` is used whenever a backward may follow: fla then
+  runs it in TileLang, or refuses it, while its ``g_gamma`` backward has the pattern its issue #640
+  names as miscompiled there with neither a guard nor a TileLang version (fla 0.6.0).
 
 Inputs are turned into the state dtype (float32) first, so the state is float32 as with the torch
 backend. ``chunk_size`` is not used (fla picks its own chunk). Checked against the torch backend on
-an H100 (docs/results/gpu-fla): without a decay forward and backward at T = 1, 100, 256, with one the
-forward (inference with ``g_gamma`` too); decayed backward passes only on the CPU, with a stand-in for
-fla. fla 0.6.0 refuses every decayed backward pass (``g``) on Hopper GPUs with Triton >= 3.4 and
-< 3.7.1 (its issue #640) with its own RuntimeError.
+an H100 (docs/results/gpu-fla, docs/results/gpu-tilelang): forward and backward at T = 1, 100, 256,
+with and without a decay (inference with ``g_gamma`` too). On Hopper GPUs with Triton >= 3.4 and
+< 3.7.1 (fla's issue #640) fla 0.6.0 runs every decayed backward pass (``g``) in TileLang where
+``tilelang`` is installed, and refuses it with its own RuntimeError where it is not.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _triton_miscompiles_gated_backward() -> bool:
     backward has no TileLang version and no guard, so a fixed decay must go as ``g``."""
     try:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except ImportError:  # another fla version: no such refusal known
+    except ImportError:  # another fla version: no such miscompilation known
         return False
     return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
 

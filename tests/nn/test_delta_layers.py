@@ -130,7 +130,7 @@ def decode_all(model, idx, prompt):
 @pytest.mark.parametrize("attention", MECHS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("opts", [{}, {"conv_size": 2, "chunk_size": 4, "allow_neg_eigval": True},
-                                  {"rule": "linear", "chunk_size": 4}])
+                                  {"rule": "linear", "chunk_size": 4}, {"output_norm": False}])
 def test_decode_equals_forward(attention, dtype, tol, opts):
     torch.manual_seed(1)
     model = GPT(config(attention, opts, n_layer=2, n_head=2, n_embd=16, n_kv_head=1)).to(dtype)
