@@ -86,3 +86,41 @@ def stand_in_fla(monkeypatch):
     monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
     FLA_CALLS.clear()
     return FLA_CALLS  # what the stand-in was given: (g's shape, g_gamma's shape) per call
+
+
+FLA_DELTA_CALLS = []  # what the delta-rule stand-in was given: (g's shape and dtype, the other inputs' dtypes, l2, scale)
+
+
+def _documented_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                       use_qk_l2norm_in_kernel=False):
+    """fla's contract, token by token: q, k [B, T, H, K] (L2-normalised first with the flag), v [B, T, H, V],
+    g [B, T, H] (log decay), beta [B, T, H], states [B, H, K, V];
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T, o_t = scale S_t^T q_t."""
+    FLA_DELTA_CALLS.append((tuple(g.shape), g.dtype, {x.dtype for x in (q, k, v, beta)}, use_qk_l2norm_in_kernel,
+                            scale))
+    B, T, H, K = q.shape
+    if use_qk_l2norm_in_kernel:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]
+        err = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
+        outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, dim=1), (S if output_final_state else None)
+
+
+@pytest.fixture
+def stand_in_fla_delta(monkeypatch):
+    """fla's chunk_gated_delta_rule replaced by its documented recurrence, and the CPU let through."""
+    gdr = types.ModuleType("fla.ops.gated_delta_rule")
+    gdr.chunk_gated_delta_rule = _documented_chunk_gated_delta_rule
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.gated_delta_rule", gdr)):
+        monkeypatch.setitem(sys.modules, name, module)
+    from lintrans.ops import fla_backend
+
+    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
+    FLA_DELTA_CALLS.clear()
+    return FLA_DELTA_CALLS

@@ -63,6 +63,10 @@ class DeltaNetOptions:
     output_gate: bool = field(default=True, metadata={
         "help": "multiply the normalised output by SiLU(x W_g) (Gated DeltaNet's design; flash-linear-attention's "
                 "DeltaNet leaves it out by default)"})
+    backend: str = field(default="torch", metadata={
+        "choices": ("torch", "fla"),
+        "help": "the op's backend over a whole sequence: torch (ours) or fla (flash-linear-attention's chunked kernel "
+                "on CUDA; form must be chunked; decoding steps stay ours)"})
     rule: str = field(default="delta", metadata={
         "choices": ("delta", "linear"),
         "help": "the state's update: delta (the layer's own) or linear, the additive S_t = a_t S_{t-1} + "
@@ -131,6 +135,10 @@ class DeltaNet(QKVAttention):
         self.beta_max = 2.0 if opts["allow_neg_eigval"] else 1.0
         self.norm_eps = opts["norm_eps"]
         self.rule = opts["rule"]
+        self.backend = opts["backend"]
+        if self.backend == "fla" and self.form != "chunked":
+            raise ValueError(f"{self.NAME}: backend='fla' computes the chunked form only; form must be 'chunked', "
+                             f"got {self.form!r}")
         if self.GATED:
             self.a_proj = nn.Linear(C, H, bias=config.bias)
             A_log, dt_bias = mamba2_decay_init(H, a_max=opts["a_init_max"])
@@ -163,7 +171,7 @@ class DeltaNet(QKVAttention):
             o = o[:, None]  # [B,1,H,D]
         else:
             o, S = delta_rule(q, k, v, beta, log_decay=ld, form=self.form, chunk_size=self.chunk_size,
-                              initial_state=S, output_final_state=use_cache)
+                              initial_state=S, output_final_state=use_cache, backend=self.backend)
         if self.o_norm is not None:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
         if self.g_proj is not None:
@@ -181,7 +189,8 @@ class DeltaNet(QKVAttention):
             o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, log_decay=ld, **opts)
             return o[:, None], state  # [B,1,H,D]
         return linear_attention(q, k, v, form=ADDITIVE_FORM[self.form], chunk_size=self.chunk_size or ADDITIVE_CHUNK,
-                                log_decay=ld, initial_state=state, output_final_state=use_cache, **opts)
+                                log_decay=ld, initial_state=state, output_final_state=use_cache,
+                                backend=self.backend, **opts)
 
     def qkv_split(self, u: torch.Tensor):
         B, T, _ = u.shape

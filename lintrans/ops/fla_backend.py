@@ -30,16 +30,20 @@ from .validation import autocast_off
 DEVICES = frozenset({"cuda"})  # device types fla's kernels run on
 
 
-def fla_chunk_function():
-    """fla's ``chunk_simple_gla``, or a ValueError saying why it cannot be used here."""
+def _fla_function(module: str, name: str):
+    """fla's ``module.name``, or a ValueError saying why it cannot be used here."""
     try:
-        from fla.ops.simple_gla import chunk_simple_gla
+        return getattr(__import__(module, fromlist=[name]), name)
     except Exception as e:  # ImportError, or fla failing to import without triton/CUDA
         raise ValueError(
             "backend='fla' needs flash-linear-attention (pip install flash-linear-attention), which cannot be "
             f"imported here ({type(e).__name__}: {e}); use backend='torch'"
         ) from None
-    return chunk_simple_gla
+
+
+def fla_chunk_function():
+    """fla's ``chunk_simple_gla``, or a ValueError saying why it cannot be used here."""
+    return _fla_function("fla.ops.simple_gla", "chunk_simple_gla")
 
 
 def check_fla_case(q: torch.Tensor, form: str) -> None:
@@ -90,3 +94,24 @@ def fla_linear_attention(q, k, v, fq, fk, S0, log_decay, *, normalize: bool, sca
         o = y[..., :Dv] / (y[..., Dv:] + eps) if normalize else y[..., :Dv]
     state = (S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None
     return o.to(q.dtype), state
+
+
+def fla_delta_rule(q, k, v, beta, log_decay, S0, *, scale: float, l2_normalize: bool, output_final_state: bool):
+    """``delta_rule(..., backend="fla")`` by fla's ``chunk_gated_delta_rule``: q, k [B, T, H, Dk], v [B, T, H, Dv],
+    beta [B, T, H], log_decay None, [B, T, H] or [H], S0 None or [B, H, Dk, Dv] -> (o [B, T, H, Dv] in q's
+    dtype, S [B, H, Dk, Dv] float32 or None). Inputs go to fla in float32, so the state is float32 as with
+    the torch backend. Without a decay the gate is zeros: fla's ungated ``chunk_delta_rule`` takes 16-bit
+    inputs only (fla 0.6.0), and a zero gate is the same recurrence."""
+    chunk_gated_delta_rule = _fla_function("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+    B, T, H, _ = q.shape
+    f32 = torch.float32
+    if log_decay is None:
+        g = torch.zeros(B, T, H, dtype=f32, device=q.device)
+    else:
+        g = log_decay.to(f32)
+        g = g.expand(B, T, H).contiguous() if g.dim() == 1 else g.contiguous()
+    with autocast_off(q.device):
+        o, S = chunk_gated_delta_rule(*(x.to(f32).contiguous() for x in (q, k, v)), g, beta.to(f32).contiguous(),
+                                      scale=scale, initial_state=None if S0 is None else S0.to(f32).contiguous(),
+                                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2_normalize)
+    return o.to(q.dtype), (S if output_final_state else None)

@@ -323,3 +323,28 @@ def test_train_and_sample_from_the_cli(attention, tmp_path, capsys):
                "--temperature", "0"])
     assert rc == 0
     assert capsys.readouterr().out.startswith("def ")
+
+
+@pytest.mark.parametrize("attention", MECHS)
+@pytest.mark.parametrize("rule", ["delta", "linear"])
+def test_fla_backend_layer_equals_torch_backend(stand_in_fla, stand_in_fla_delta, attention, rule):
+    """backend="fla" (fla's kernels replaced by their documented recurrences, tests/conftest.py): the same
+    outputs and gradients as the torch backend, a whole sequence and then decoding (ours) from its cache."""
+    torch.manual_seed(0)
+    layers = {b: perturbed_layer(attention, {"backend": b, "rule": rule}, dtype=torch.float32) for b in ("torch", "fla")}
+    layers["fla"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(2, 9, 24)
+    got = {}
+    for b, layer in layers.items():
+        y, cache = layer(x[:, :8], use_cache=True)
+        y_next, _ = layer(x[:, 8:], cache=cache, use_cache=True)
+        y.square().sum().backward()
+        got[b] = [y, y_next] + [p.grad for _, p in sorted(layer.named_parameters())]
+    for a, b in zip(got["fla"], got["torch"]):  # float32 both, summed in different orders: relative to the size
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert stand_in_fla_delta if rule == "delta" else stand_in_fla  # fla's stand-in ran
+
+
+def test_fla_backend_needs_the_chunked_form():
+    with pytest.raises(ValueError, match="backend='fla' computes the chunked form only"):
+        perturbed_layer("deltanet", {"backend": "fla", "form": "recurrent"})

@@ -69,6 +69,7 @@ def delta_rule(
     l2_normalize: bool = True,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
+    backend: str = "torch",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The (gated) delta rule: DeltaNet, and Gated DeltaNet with ``log_decay``.
 
@@ -87,6 +88,9 @@ def delta_rule(
     Returns (o [B, T, H, Dv] in q's dtype, S [B, H, Dk, Dv] in float32, or float64 for float64
     inputs, when ``output_final_state``, else None). bf16/fp16 inputs are computed in float32.
     Gradients reach q, k, v, beta, log_decay and initial_state.
+    backend: ``"torch"`` (ours, the default) or ``"fla"``: the chunked form by flash-linear-attention's
+    ``chunk_gated_delta_rule`` on CUDA where ``fla`` is importable (in float32; ``chunk_size`` unused;
+    a ValueError says why it cannot run otherwise; see ``lintrans.ops.fla_backend`` and docs/gpu.md).
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     _check_beta(beta, (B, T, H), "[B, T, H]", q.device)
@@ -99,6 +103,14 @@ def delta_rule(
     check_bool("output_final_state", output_final_state)
     if initial_state is not None:
         _check_state(initial_state, B, H, Dk, Dv, q.device, "initial_state")
+    if backend == "fla":
+        from ..fla_backend import check_fla_case, fla_delta_rule
+
+        check_fla_case(q, form)
+        return fla_delta_rule(q, k, v, beta, log_decay, initial_state, scale=Dk**-0.5 if scale is None else scale,
+                              l2_normalize=l2_normalize, output_final_state=output_final_state)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'torch' or 'fla', got {backend!r}")
     dtype = compute_dtype(q.dtype)
     with autocast_off(q.device):
         S0 = (torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device) if initial_state is None
