@@ -3,8 +3,10 @@
 Built as DeltaNet (Yang et al. 2024) and Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025) build them,
 in flash-linear-attention's layout:
 
-    q, k, v = SiLU(causal depthwise conv_4(x W_qkv))       (one short convolution over q, k, v channels)
-    beta    = sigmoid(x W_beta)                           per head (2 sigmoid with allow_neg_eigval)
+    q, k, v = SiLU(causal depthwise conv_4(x W_qkv))       (one short convolution over q, k, v channels;
+                                                           qkv_activation="identity", an ablation: no SiLU)
+    beta    = sigmoid(x W_beta)                           per head (2 sigmoid with allow_neg_eigval;
+                                                           learned_beta=False, an ablation: 1)
     log a   = -exp(A_log) * softplus(x W_a + dt_bias)     per head, gated-deltanet only (Mamba-2's decay)
     o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op
               (rule="linear", an ablation: S_t = a_t S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t / sqrt(Dk))
@@ -54,6 +56,12 @@ class DeltaNetOptions:
         "choices": ("uniform", "identity"),
         "help": "the short convolution's initial taps: uniform (PyTorch's default, as flash-linear-attention) or "
                 "identity (the current input's tap 1, earlier taps 0: q, k, v start as their own token's)"})
+    qkv_activation: str = field(default="silu", metadata={
+        "choices": ("silu", "identity"),
+        "help": "the activation after the convolution on q, k, v (identity: none; an ablation)"})
+    learned_beta: bool = field(default=True, metadata={
+        "help": "beta = sigmoid(x W_beta) per token and head (false: beta = 1 for every token, no W_beta; an "
+                "ablation)"})
     allow_neg_eigval: bool = field(default=False, metadata={
         "help": "beta = 2 sigmoid(x W_beta) in [0, 2]: negative eigenvalues of the state transition"})
     norm_eps: float = field(default=1e-5, metadata={"low": 0, "help": "epsilon of the output RMSNorm"})
@@ -129,7 +137,11 @@ class DeltaNet(QKVAttention):
         if self.conv is not None and opts["conv_init"] == "identity":
             with torch.no_grad():
                 self.conv.weight.zero_()[..., -1] = 1.0  # tap K-1 multiplies the current input
-        self.beta_proj = nn.Linear(C, H, bias=config.bias)
+        if opts["allow_neg_eigval"] and not opts["learned_beta"]:
+            raise ValueError(f"{self.NAME}: allow_neg_eigval scales a learned beta; it cannot go with "
+                             "learned_beta=False (beta = 1)")
+        self.beta_proj = nn.Linear(C, H, bias=config.bias) if opts["learned_beta"] else None
+        self.qkv_activation = opts["qkv_activation"]
         self.g_proj = nn.Linear(C, H * D, bias=config.bias) if opts["output_gate"] else None
         self.o_norm = nn.Parameter(torch.ones(D)) if opts["output_norm"] else None
         self.beta_max = 2.0 if opts["allow_neg_eigval"] else 1.0
@@ -159,9 +171,12 @@ class DeltaNet(QKVAttention):
         u = self.c_attn(x)  # [B,T,W]
         if self.conv is not None:
             u, conv_prev = causal_conv(u, self.conv.weight, conv_prev)
-        q, k, v = self.qkv_split(F.silu(u))
+        q, k, v = self.qkv_split(F.silu(u) if self.qkv_activation == "silu" else u)
         k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,T,H,D]
-        beta = torch.sigmoid(self.beta_proj(x)) * self.beta_max  # [B,T,H]
+        if self.beta_proj is not None:
+            beta = torch.sigmoid(self.beta_proj(x)) * self.beta_max  # [B,T,H]
+        else:
+            beta = x.new_ones(B, T, self.n_head)
         ld = self.log_decay(x)
         if self.rule == "linear":
             o, S = self.additive_rule(q, k, v, beta, ld, S, cache is not None and T == 1, use_cache)
@@ -205,7 +220,8 @@ class DeltaNet(QKVAttention):
         """Every input projection: q, k, v, the output gate (n_head * head_dim), beta and (gated) a."""
         N, h = shape.n_head, shape.head_dim
         gate = N * h if cls.option(shape, "output_gate") else 0
-        return (N + 2 * shape.kv_heads) * h + gate + N * (2 if cls.GATED else 1)
+        scalars = (1 if cls.option(shape, "learned_beta") else 0) + (1 if cls.GATED else 0)
+        return (N + 2 * shape.kv_heads) * h + gate + N * scalars
 
     @classmethod
     def extra_parameters(cls, shape) -> int:

@@ -42,13 +42,17 @@ def reference(layer, x):
     if K:
         w = layer.conv.weight[:, 0]  # [W,K]: tap K-1 multiplies the current input
         u = torch.stack([sum(w[:, K - 1 - j] * u[:, t - j] for j in range(min(K, t + 1))) for t in range(T)], 1)
-    u = F.silu(u)
+    if opts["qkv_activation"] == "silu":
+        u = F.silu(u)
     q = u[..., : H * D].reshape(B, T, H, D)
     k = u[..., H * D: (H + Hk) * D].reshape(B, T, Hk, D).repeat_interleave(H // Hk, dim=2)
     v = u[..., (H + Hk) * D:].reshape(B, T, Hk, D).repeat_interleave(H // Hk, dim=2)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    beta = torch.sigmoid(linear(x, layer.beta_proj)) * (2.0 if opts["allow_neg_eigval"] else 1.0)  # [B,T,H]
+    if opts["learned_beta"]:
+        beta = torch.sigmoid(linear(x, layer.beta_proj)) * (2.0 if opts["allow_neg_eigval"] else 1.0)  # [B,T,H]
+    else:
+        beta = torch.ones(B, T, H, dtype=x.dtype)
     if hasattr(layer, "A_log"):
         a = torch.exp(-torch.exp(layer.A_log) * F.softplus(linear(x, layer.a_proj) + layer.dt_bias))
     else:
@@ -75,6 +79,8 @@ def reference(layer, x):
 @pytest.mark.parametrize("opts", [{"chunk_size": 4}, {"form": "recurrent", "conv_size": 2, "allow_neg_eigval": True},
                                   {"conv_size": 0, "chunk_size": 5, "norm_eps": 1e-3, "output_gate": False},
                                   {"output_norm": False, "chunk_size": 4},
+                                  {"qkv_activation": "identity", "learned_beta": False, "chunk_size": 4},
+                                  {"learned_beta": False, "rule": "linear", "form": "recurrent"},
                                   {"rule": "linear", "chunk_size": 4}, {"rule": "linear", "form": "recurrent"}])
 def test_layer_equals_token_loop_outputs_and_grads(attention, T, n_kv_head, opts):
     layer = perturbed_layer(attention, opts, n_kv_head=n_kv_head)
@@ -130,7 +136,8 @@ def decode_all(model, idx, prompt):
 @pytest.mark.parametrize("attention", MECHS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("opts", [{}, {"conv_size": 2, "chunk_size": 4, "allow_neg_eigval": True},
-                                  {"rule": "linear", "chunk_size": 4}, {"output_norm": False}])
+                                  {"rule": "linear", "chunk_size": 4}, {"output_norm": False},
+                                  {"qkv_activation": "identity", "learned_beta": False}])
 def test_decode_equals_forward(attention, dtype, tol, opts):
     torch.manual_seed(1)
     model = GPT(config(attention, opts, n_layer=2, n_head=2, n_embd=16, n_kv_head=1)).to(dtype)
@@ -285,6 +292,11 @@ def test_cost_terms(attention, n_kv_head, bias):
                       vocab_size=50)
     assert GPT(unnormed).transformer.h[0].attn.o_norm is None
     assert parameters(ModelShape.from_config(unnormed))["total"] == sum(p.numel() for p in GPT(unnormed).parameters())
+    fixed_beta = config(attention, {"learned_beta": False}, n_layer=2, n_embd=32, n_kv_head=n_kv_head, bias=bias,
+                        vocab_size=50)
+    assert GPT(fixed_beta).transformer.h[0].attn.beta_proj is None
+    assert (parameters(ModelShape.from_config(fixed_beta))["total"]
+            == sum(p.numel() for p in GPT(fixed_beta).parameters()))
     # the cache the model keeps (float32) is what the cost model says, at any length
     assert state_floats(model, 40) * 4 * 2 == cache_bytes(shape, 40) == cache_bytes(shape, 4000)
     N, h = 4, 8
@@ -348,3 +360,8 @@ def test_fla_backend_layer_equals_torch_backend(stand_in_fla, stand_in_fla_delta
 def test_fla_backend_needs_the_chunked_form():
     with pytest.raises(ValueError, match="backend='fla' computes the chunked form only"):
         perturbed_layer("deltanet", {"backend": "fla", "form": "recurrent"})
+
+
+def test_fixed_beta_refuses_negative_eigenvalues():
+    with pytest.raises(ValueError, match="allow_neg_eigval scales a learned beta"):
+        perturbed_layer("deltanet", {"learned_beta": False, "allow_neg_eigval": True})
