@@ -176,7 +176,7 @@ class DeltaNet(QKVAttention):
         if self.beta_proj is not None:
             beta = torch.sigmoid(self.beta_proj(x)) * self.beta_max  # [B,T,H]
         else:
-            beta = x.new_ones(B, T, self.n_head)
+            beta = v.new_ones(B, T, self.n_head)  # v's dtype: under autocast q, k, v are 16-bit and x is not
         ld = self.log_decay(x)
         if self.rule == "linear":
             o, S = self.additive_rule(q, k, v, beta, ld, S, cache is not None and T == 1, use_cache)

@@ -101,7 +101,8 @@ def fla_delta_rule(q, k, v, beta, log_decay, S0, *, scale: float, l2_normalize: 
     beta [B, T, H], log_decay None, [B, T, H] or [H], S0 None or [B, H, Dk, Dv] -> (o [B, T, H, Dv] in q's
     dtype, S [B, H, Dk, Dv] float32 or None). Inputs go to fla in float32, so the state is float32 as with
     the torch backend. Without a decay the gate is zeros: fla's ungated ``chunk_delta_rule`` takes 16-bit
-    inputs only (fla 0.6.0), and a zero gate is the same recurrence."""
+    inputs only (fla 0.6.0), and a zero gate is the same recurrence. Checked with fla 0.6.0; older fla
+    versions' ``chunk_gated_delta_rule`` refused float32 inputs (an AssertionError of theirs)."""
     chunk_gated_delta_rule = _fla_function("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
     B, T, H, _ = q.shape
     f32 = torch.float32

@@ -365,3 +365,17 @@ def test_fla_backend_needs_the_chunked_form():
 def test_fixed_beta_refuses_negative_eigenvalues():
     with pytest.raises(ValueError, match="allow_neg_eigval scales a learned beta"):
         perturbed_layer("deltanet", {"learned_beta": False, "allow_neg_eigval": True})
+
+
+@pytest.mark.parametrize("rule", ["delta", "linear"])
+@pytest.mark.parametrize("learned_beta", [True, False])
+def test_bf16_autocast_forward_and_decode(rule, learned_beta):
+    """Under CPU bf16 autocast (as training on a GPU runs) q, k, v are bf16 and x is not: every piece the
+    layer makes itself (a fixed beta too) must fit both rules' ops, whole sequences and decoding steps."""
+    torch.manual_seed(0)
+    layer = perturbed_layer("gated-deltanet", {"rule": rule, "learned_beta": learned_beta}, dtype=torch.float32)
+    x = torch.randn(2, 6, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, cache = layer(x[:, :5], use_cache=True)
+        y_next, _ = layer(x[:, 5:], cache=cache, use_cache=True)
+    assert torch.isfinite(y).all() and torch.isfinite(y_next).all()

@@ -9,6 +9,7 @@ import torch
 
 from lintrans.ops import delta_rule, fla_backend
 
+
 def _inputs(B, T, H, Dk, Dv, gate, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, T, H, Dk, generator=g) for _ in range(2))
@@ -50,7 +51,7 @@ def test_sixteen_bit_inputs_go_to_fla_in_float32(stand_in_fla_delta):
     q, k, v, beta, ld, S0 = _inputs(1, 5, 2, 4, 4, "token", dtype=torch.bfloat16)
     o, S = delta_rule(q, k, v, beta, log_decay=ld, initial_state=S0, output_final_state=True, backend="fla")
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
-    assert stand_in_fla_delta[0][2] == {torch.float32}
+    assert stand_in_fla_delta[0][1] == torch.float32 and stand_in_fla_delta[0][2] == {torch.float32}
     o_t, S_t = delta_rule(q, k, v, beta, log_decay=ld, initial_state=S0, output_final_state=True)
     torch.testing.assert_close(o, o_t, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(S, S_t, rtol=1e-5, atol=1e-5)
