@@ -4,6 +4,10 @@
 # TileLang. .whl/site.tar.xz holds the unpacked wheels of tilelang 0.1.15, apache-tvm-ffi 0.1.12,
 # torch-c-dlpack-ext 0.1.5, z3-solver 4.15.4.0 (without its binary), flash-linear-attention and fla-core
 # 0.6.0 (xz, 38 MB: the wheels are 84 MB, over the call's 64 MiB). Usage: bash run.sh OUT_DIR
+# Made here with: pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#   --platform manylinux_2_28_x86_64 (and _2_27, _2_24, _2_17, manylinux2014) -d whl tilelang==0.1.15
+#   "apache-tvm-ffi==0.1.12" torch-c-dlpack-ext==0.1.5 z3-solver==4.15.4.0 flash-linear-attention==0.6.0
+#   fla-core==0.6.0; each wheel unzipped into site/ (z3_solver-*.data removed); tar -C site -cf - . | xz -9
 set -o pipefail
 out=${1:?out dir}; here=docs/results/gpu-tilelang
 mkdir -p /tmp/site && { tar -xJf .whl/site.tar.xz -C /tmp/site 2>/dev/null \
