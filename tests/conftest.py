@@ -49,6 +49,17 @@ def exact_float32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def _install_fla_stand_in(monkeypatch, module: str, name: str, fn) -> None:
+    """sys.modules gets an ``fla`` package whose ``module.name`` is ``fn``, and fla_backend lets the CPU through."""
+    stand_in = types.ModuleType(module)
+    setattr(stand_in, name, fn)
+    for key, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")), (module, stand_in)):
+        monkeypatch.setitem(sys.modules, key, mod)
+    from lintrans.ops import fla_backend
+
+    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
+
+
 FLA_CALLS = []  # the stand-in's (g shape or None, g_gamma shape or None) per call, for dispatch tests
 
 
@@ -76,19 +87,13 @@ def _documented_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, init
 def stand_in_fla(monkeypatch):
     """fla replaced by the documented recurrence, and the CPU let through: what runs is our side. Returns
     the list of what each call passed as g and g_gamma (their shapes, or None)."""
-    simple_gla = types.ModuleType("fla.ops.simple_gla")
-    simple_gla.chunk_simple_gla = _documented_chunk_simple_gla
-    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
-                         ("fla.ops.simple_gla", simple_gla)):
-        monkeypatch.setitem(sys.modules, name, module)
-    from lintrans.ops import fla_backend
-
-    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
+    _install_fla_stand_in(monkeypatch, "fla.ops.simple_gla", "chunk_simple_gla", _documented_chunk_simple_gla)
     FLA_CALLS.clear()
     return FLA_CALLS  # what the stand-in was given: (g's shape, g_gamma's shape) per call
 
 
-FLA_DELTA_CALLS = []  # what the delta-rule stand-in was given: (g's shape and dtype, the other inputs' dtypes, l2, scale)
+# what the delta-rule stand-in was given: (g's shape and dtype, the other inputs' dtypes, l2, scale)
+FLA_DELTA_CALLS = []
 
 
 def _documented_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -114,13 +119,7 @@ def _documented_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_sta
 @pytest.fixture
 def stand_in_fla_delta(monkeypatch):
     """fla's chunk_gated_delta_rule replaced by its documented recurrence, and the CPU let through."""
-    gdr = types.ModuleType("fla.ops.gated_delta_rule")
-    gdr.chunk_gated_delta_rule = _documented_chunk_gated_delta_rule
-    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
-                         ("fla.ops.gated_delta_rule", gdr)):
-        monkeypatch.setitem(sys.modules, name, module)
-    from lintrans.ops import fla_backend
-
-    monkeypatch.setattr(fla_backend, "DEVICES", frozenset({"cpu"}))
+    _install_fla_stand_in(monkeypatch, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                          _documented_chunk_gated_delta_rule)
     FLA_DELTA_CALLS.clear()
     return FLA_DELTA_CALLS

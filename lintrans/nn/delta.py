@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from lintrans.ops.delta import DELTA_FORMS, delta_rule, delta_rule_step
 from lintrans.ops.delta.api import NATIVE_CHUNK
 from lintrans.ops.delta.reference import l2_normalized
+from lintrans.ops.fla_backend import check_fla_form
 from lintrans.ops.linear import linear_attention, linear_attention_step
 
 from .attention import LinearAttention, QKVAttention, check_options
@@ -148,9 +149,11 @@ class DeltaNet(QKVAttention):
         self.norm_eps = opts["norm_eps"]
         self.rule = opts["rule"]
         self.backend = opts["backend"]
-        if self.backend == "fla" and self.form != "chunked":
-            raise ValueError(f"{self.NAME}: backend='fla' computes the chunked form only; form must be 'chunked', "
-                             f"got {self.form!r}")
+        if self.backend == "fla":
+            try:
+                check_fla_form(self.form)
+            except ValueError as e:
+                raise ValueError(f"{self.NAME}: {e}") from None
         if self.GATED:
             self.a_proj = nn.Linear(C, H, bias=config.bias)
             A_log, dt_bias = mamba2_decay_init(H, a_max=opts["a_init_max"])

@@ -46,10 +46,15 @@ def fla_chunk_function():
     return _fla_function("fla.ops.simple_gla", "chunk_simple_gla")
 
 
-def check_fla_case(q: torch.Tensor, form: str) -> None:
-    """ValueError for what fla does not cover: another form, a device other than CUDA, float64."""
+def check_fla_form(form: str) -> None:
+    """ValueError unless ``form`` is the chunked form, the only one fla computes."""
     if form != "chunked":
         raise ValueError(f"backend='fla' computes the chunked form only; form must be 'chunked', got {form!r}")
+
+
+def check_fla_case(q: torch.Tensor, form: str) -> None:
+    """ValueError for what fla does not cover: another form, a device other than CUDA, float64."""
+    check_fla_form(form)
     if q.device.type not in DEVICES:
         raise ValueError(f"backend='fla' runs on CUDA tensors only, got q on {q.device}; use backend='torch'")
     if q.dtype == torch.float64:
