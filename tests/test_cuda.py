@@ -142,3 +142,15 @@ def test_training_on_cuda_learns(tmp_path, precision, attention):
     assert result.stopped == "done" and result.step == 60
     losses = [result.losses[s] for s in sorted(result.losses)]
     assert all(map(math.isfinite, losses)) and sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
+
+
+def test_context_estimate_on_cuda_times_the_device(tmp_path, capsys):
+    """``--estimate --device cuda``: the queue drained around each timed step, costs from wall-clock
+    time only (the host's CPU time while a GPU works says nothing of the GPU)."""
+    from lintrans.cli import main
+
+    assert main(["experiment", "context", "--quick", "--estimate", "--device", DEVICE, "--out", str(tmp_path),
+                 "--mechanisms", "softmax@rope"]) == 0
+    out = capsys.readouterr().out
+    assert "s/update (wall)" in out and "(cpu;" not in out
+    assert f"estimate with --jobs 1 on {DEVICE}" in out and "CPU time" not in out

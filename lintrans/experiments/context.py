@@ -498,9 +498,15 @@ def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report
     n_evals = len(range(0, s["steps"], s["eval_every"])) + 1
     totals, rows = {"wall": 0.0, "cpu": 0.0}, {}
 
-    def timed(fn):
+    from lintrans.bench.machine import synchronize
+
+    on_cpu = str(device).startswith("cpu")  # else the host's CPU time says nothing of the device's
+
+    def timed(fn):  # an accelerator's queue is drained on both sides, or only the launches are timed
+        synchronize(device)
         w, c = time.perf_counter(), time.process_time()
         fn()
+        synchronize(device)
         return time.perf_counter() - w, (time.process_time() - c) / threads
 
     try:
@@ -535,8 +541,10 @@ def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report
                 for k in totals:
                     totals[k] += n_runs * per_run[k]
                 rows[f"{m} T={T}"] = {"update_seconds": t_step, "runs": n_runs, "run_seconds": per_run}
-                report(f"{m:>22} T={T:<6} {t_step['cpu']:6.3f} s/update (cpu; wall {t_step['wall']:6.3f}), "
-                       f"{n_runs} run{'s' * (n_runs != 1)} x {per_run['cpu'] / 60:5.1f} min")
+                cost = (f"{t_step['cpu']:6.3f} s/update (cpu; wall {t_step['wall']:6.3f})" if on_cpu
+                        else f"{t_step['wall']:6.3f} s/update (wall)")
+                report(f"{m:>22} T={T:<6} {cost}, {n_runs} run{'s' * (n_runs != 1)} x "
+                       f"{per_run['cpu' if on_cpu else 'wall'] / 60:5.1f} min")
     finally:
         torch.set_num_threads(before)
     est = {"seconds": {k: v / jobs for k, v in totals.items()}, "jobs": jobs, "threads_per_job": threads,
@@ -544,9 +552,12 @@ def estimate(s: dict, jobs: int = 1, device: str = "cpu", steps: int = 2, report
     if planned is not None:
         est["runs"] = {"planned": len(planned), "finished": sum(f for _, _, f in planned)}
         report(f"{est['runs']['finished']} of {est['runs']['planned']} runs already in {out}; the rest:")
-    report(f"estimate with --jobs {jobs} ({threads} torch thread(s) each): {est['seconds']['cpu'] / 3600:.2f} h "
-           f"from CPU time (an idle machine), {est['seconds']['wall'] / 3600:.2f} h from wall-clock time "
-           f"(this machine now, load average {est['load_average'][0]:.1f})")
+    if on_cpu:
+        report(f"estimate with --jobs {jobs} ({threads} torch thread(s) each): {est['seconds']['cpu'] / 3600:.2f} h "
+               f"from CPU time (an idle machine), {est['seconds']['wall'] / 3600:.2f} h from wall-clock time "
+               f"(this machine now, load average {est['load_average'][0]:.1f})")
+    else:
+        report(f"estimate with --jobs {jobs} on {device}: {est['seconds']['wall'] / 3600:.2f} h from wall-clock time")
     return est
 
 
