@@ -60,6 +60,10 @@ class DeltaNetOptions:
     qkv_activation: str = field(default="silu", metadata={
         "choices": ("silu", "identity"),
         "help": "the activation after the convolution on q, k, v (identity: none; an ablation)"})
+    qk_norm: str = field(default="l2", metadata={
+        "choices": ("l2", "none"),
+        "help": "l2: q and k divided by their L2 norms (the delta rule's keys must be, for a bounded state); none: "
+                "left as they are, with rule=linear only (an ablation)"})
     learned_beta: bool = field(default=True, metadata={
         "help": "beta = sigmoid(x W_beta) per token and head (false: beta = 1 for every token, no W_beta; an "
                 "ablation)"})
@@ -141,6 +145,10 @@ class DeltaNet(QKVAttention):
         if opts["allow_neg_eigval"] and not opts["learned_beta"]:
             raise ValueError(f"{self.NAME}: allow_neg_eigval scales a learned beta; it cannot go with "
                              "learned_beta=False (beta = 1)")
+        if opts["qk_norm"] == "none" and opts["rule"] == "delta":
+            raise ValueError(f"{self.NAME}: qk_norm='none' goes with rule='linear' only: the delta rule's update "
+                             "I - beta k k^T expands the state once beta |k|^2 > 2")
+        self.qk_norm = opts["qk_norm"]
         self.beta_proj = nn.Linear(C, H, bias=config.bias) if opts["learned_beta"] else None
         self.qkv_activation = opts["qkv_activation"]
         self.g_proj = nn.Linear(C, H * D, bias=config.bias) if opts["output_gate"] else None
@@ -197,9 +205,10 @@ class DeltaNet(QKVAttention):
         return self.out(o), ((conv_prev, S) if use_cache else None)
 
     def additive_rule(self, q, k, v, beta, ld, state, step: bool, use_cache: bool):
-        """rule="linear": the delta rule's inputs (q, k L2-normalised, scale Dk^-1/2, beta, the decay) through
-        plain linear attention, unnormalised: the state (S, z) only adds. q, k, v [B, T, H, D]."""
-        q, k = l2_normalized(q), l2_normalized(k)  # in the input dtype (the delta-rule op's in float32 at least)
+        """rule="linear": the delta rule's inputs (q, k L2-normalised unless qk_norm="none", scale Dk^-1/2, beta,
+        the decay) through plain linear attention, unnormalised: the state (S, z) only adds. q, k, v [B, T, H, D]."""
+        if self.qk_norm == "l2":
+            q, k = l2_normalized(q), l2_normalized(k)  # in the input dtype (the delta-rule op's in float32 at least)
         v = v * beta[..., None]  # beta_t k_t v_t^T
         opts = dict(feature_map="identity", normalize=False, scale=self.head_dim ** -0.5)
         if step:

@@ -47,8 +47,9 @@ def reference(layer, x):
     q = u[..., : H * D].reshape(B, T, H, D)
     k = u[..., H * D: (H + Hk) * D].reshape(B, T, Hk, D).repeat_interleave(H // Hk, dim=2)
     v = u[..., (H + Hk) * D:].reshape(B, T, Hk, D).repeat_interleave(H // Hk, dim=2)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    if opts["qk_norm"] == "l2":
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     if opts["learned_beta"]:
         beta = torch.sigmoid(linear(x, layer.beta_proj)) * (2.0 if opts["allow_neg_eigval"] else 1.0)  # [B,T,H]
     else:
@@ -81,7 +82,9 @@ def reference(layer, x):
                                   {"output_norm": False, "chunk_size": 4},
                                   {"qkv_activation": "identity", "learned_beta": False, "chunk_size": 4},
                                   {"learned_beta": False, "rule": "linear", "form": "recurrent"},
-                                  {"rule": "linear", "chunk_size": 4}, {"rule": "linear", "form": "recurrent"}])
+                                  {"rule": "linear", "chunk_size": 4}, {"rule": "linear", "form": "recurrent"},
+                                  {"rule": "linear", "qk_norm": "none", "conv_size": 0, "output_gate": False,
+                                   "chunk_size": 4}])
 def test_layer_equals_token_loop_outputs_and_grads(attention, T, n_kv_head, opts):
     layer = perturbed_layer(attention, opts, n_kv_head=n_kv_head)
     x = torch.randn(2, T, 24, dtype=torch.float64, requires_grad=True)
@@ -137,7 +140,8 @@ def decode_all(model, idx, prompt):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("opts", [{}, {"conv_size": 2, "chunk_size": 4, "allow_neg_eigval": True},
                                   {"rule": "linear", "chunk_size": 4}, {"output_norm": False},
-                                  {"qkv_activation": "identity", "learned_beta": False}])
+                                  {"qkv_activation": "identity", "learned_beta": False},
+                                  {"rule": "linear", "qk_norm": "none", "chunk_size": 4}])
 def test_decode_equals_forward(attention, dtype, tol, opts):
     torch.manual_seed(1)
     model = GPT(config(attention, opts, n_layer=2, n_head=2, n_embd=16, n_kv_head=1)).to(dtype)
@@ -202,6 +206,8 @@ def test_identity_conv_init_passes_each_token_through(attention):
     ({"conv_init": "dirac"}, ValueError, r"attention_options\['conv_init'\] must be one of \['uniform', 'identity'\]"),
     ({"allow_neg_eigval": "yes"}, TypeError, r"attention_options\['allow_neg_eigval'\] must be a bool"),
     ({"rule": "gated"}, ValueError, r"attention_options\['rule'\] must be one of \['delta', 'linear'\]"),
+    ({"qk_norm": "sum"}, ValueError, r"attention_options\['qk_norm'\] must be one of \['l2', 'none'\]"),
+    ({"qk_norm": "none"}, ValueError, r"qk_norm='none' goes with rule='linear' only"),
     ({"feature_map": "elu"}, ValueError, r"unknown attention_options \['feature_map'\] for '(gated-)?deltanet'"),
 ])
 @pytest.mark.parametrize("attention", MECHS)
