@@ -48,9 +48,13 @@ def machine_info(device: str = "cpu") -> dict:
     return info
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU): what a wall-clock timing of GPU work needs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _matmul_times(n: int, dtype: torch.dtype, device: str, seconds: float, min_reps: int) -> list[float]:

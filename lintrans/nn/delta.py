@@ -8,7 +8,8 @@ in flash-linear-attention's layout:
     beta    = sigmoid(x W_beta)                           per head (2 sigmoid with allow_neg_eigval;
                                                            learned_beta=False, an ablation: 1)
     log a   = -exp(A_log) * softplus(x W_a + dt_bias)     per head, gated-deltanet only (Mamba-2's decay)
-    o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op
+    o       = delta_rule(q, k, v, beta, log_decay=log a)  q, k L2-normalised inside the op (qk_norm="none",
+                                                           an ablation with rule="linear" only: not)
               (rule="linear", an ablation: S_t = a_t S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t / sqrt(Dk))
     y       = (RMSNorm(o) * SiLU(x W_g)) W_o              RMSNorm per head, weight shared by the heads
                                                           (output_gate=False: RMSNorm(o) W_o;

@@ -416,3 +416,16 @@ def test_help_texts_take_a_studys_own_then_the_shared_and_refuse_gaps():
         study.help_texts({"pairs": 4}, {})
     with pytest.raises(KeyError, match=r"help text for no setting: \['gone'\]"):
         study.help_texts({"seeds": 3}, {"gone": "x"})
+
+
+def test_estimate_drains_the_device_queue_around_every_timed_call(tmp_path, capsys, monkeypatch):
+    """On an accelerator only a synchronised timing measures the work, not its launches: every timed
+    step and evaluation is bracketed by a ``synchronize`` of the study's device (a no-op on the CPU)."""
+    from lintrans.bench import machine
+
+    calls = []
+    monkeypatch.setattr(machine, "synchronize", lambda device: calls.append(str(device)))
+    assert run_cli("context", tmp_path, "--estimate", "--mechanisms", "softmax", "--set", "contexts=[16]",
+                   "--set", "sweep_contexts=[16]") == 0
+    # per mechanism and context: 3 timed steps (a warm-up and 2) and one evaluation, each synchronised twice
+    assert calls == ["cpu"] * 8

@@ -67,7 +67,6 @@ def speed(*lengths):
           f"{tokens} tokens per step, mean of 5 after 2 warm-ups (the first autotunes fla)")
     for T in [int(t) for t in lengths] or (2048, 8192):
         for precision in ("fp32", "bf16"):
-            row = []
             for attention, backend, pos in (("softmax", None, "rope"), ("gated-deltanet", "torch", "none"),
                                             ("gated-deltanet", "fla", "none")):
                 m = gpt(attention, backend, T, 4, 8, 512, pos)
@@ -90,7 +89,6 @@ def speed(*lengths):
                     step()
                 torch.cuda.synchronize()
                 ms = (time.perf_counter() - t0) / 5 * 1e3
-                row.append(f"{attention}{'/' + backend if backend else ''} {ms:.1f}")
                 print(f"  T={T} {precision} {attention}{'/' + backend if backend else ''}: {ms:.1f} ms "
                       f"(warm-up {warm:.1f} s)", flush=True)
                 del m, opt
