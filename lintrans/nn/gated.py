@@ -11,7 +11,8 @@ different time constants per head) and ``W_g`` at zero-mean N(0, 0.02^2), so tra
 retention and learns when to forget. Same feature map, scaling and output norm as ``retention``.
 
 Both accept every option of ``linear`` (feature map, form, chunk size, normalize, scale, eps, qk_dim), with
-these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``tau`` (> 0).
+these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``tau`` (> 0) and ``decay_init``
+(``retnet``, or ``mamba2``: faster starting decays, drawn as flash-linear-attention starts Mamba-2's).
 """
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ class RetentionOptions(LinearOptions):
 @dataclass
 class GatedLinearOptions(RetentionOptions):
     tau: float = field(default=16.0, metadata={"help": "gate temperature (> 0)"})
+    decay_init: str = field(default="retnet", metadata={
+        "choices": ("retnet", "mamba2"),
+        "help": "the decays the gate starts at: retnet (RetNet's multi-scale ones, slow: half-lives 22-177 tokens "
+                "for 4 heads) or mamba2 (per head as flash-linear-attention starts Gated DeltaNet's Mamba-2 "
+                "decay, fast: half-lives of about 10 tokens typically; docs/experiments.md)"})
 
 
 def retnet_log_decays(n_head: int, device=None) -> torch.Tensor:
@@ -70,14 +76,15 @@ class Retention(_GatedAttention):
 
 
 class DecayGate(nn.Module):
-    """x [B, T, C] -> log_decay [B, T, H] = -softplus(x W + b) / tau, in (-inf, 0)."""
+    """x [B, T, C] -> log_decay [B, T, H] = -softplus(x W + b) / tau, in (-inf, 0). The bias starts the
+    decays at ``start`` ([H] log-decays <= 0, float64; default RetNet's)."""
 
-    def __init__(self, n_embd: int, n_head: int, tau: float):
+    def __init__(self, n_embd: int, n_head: int, tau: float, start: Optional[torch.Tensor] = None):
         super().__init__()
         self.tau = tau
         self.weight = nn.Parameter(torch.randn(n_head, n_embd) * 0.02)  # [H,C]
-        # softplus(b_h) / tau = -log(1 - 2^(-5-h)): RetNet's decays at the start
-        target = -retnet_log_decays(n_head).double() * tau
+        # softplus(b_h) / tau = -start_h: the decays at the start (W x is small then)
+        target = -(retnet_log_decays(n_head) if start is None else start).double() * tau
         self.bias = nn.Parameter((target + torch.log(-torch.expm1(-target))).float())  # softplus^-1, [H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +113,13 @@ class GatedLinearAttention(_GatedAttention):
         super().__init__(config)
         tau = self.options["tau"]
         check_number("attention_options['tau']", tau, low=0, low_open=True)
-        self.gate = DecayGate(config.n_embd, self.n_head, float(tau))
+        start = None
+        if self.options["decay_init"] == "mamba2":
+            from .delta import mamba2_decay_init
+
+            A_log, dt_bias = mamba2_decay_init(self.n_head)  # log a = -A softplus(dt_bias) at the start
+            start = -(A_log.double().exp() * F.softplus(dt_bias.double()))
+        self.gate = DecayGate(config.n_embd, self.n_head, float(tau), start)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x)

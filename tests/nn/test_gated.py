@@ -80,7 +80,33 @@ def test_gate_starts_at_retnets_decays_and_learns():
     assert gate.weight.grad.abs().sum() > 0 and gate.bias.grad.abs().sum() > 0
 
 
+def test_mamba2_decay_init_starts_at_mamba2s_decays(monkeypatch):
+    """decay_init="mamba2": with W x = 0 the gate gives -A softplus(dt_bias) of the Mamba-2 start
+    (lintrans.nn.delta.mamba2_decay_init; here fixed values, slow to fast), per head, and it learns; drawn
+    for real, the decays lie in [-1.6, 0) (A < 16, dt <= 0.1) and are not RetNet's, which stay the default."""
+    from lintrans.nn import delta
+
+    A_log = torch.tensor([-9.0, -1.0, 0.5, 2.7])
+    dt_bias = torch.tensor([-6.9, -4.0, -2.3, -2.25])  # softplus: about 1e-3 .. 0.1
+    want = -(A_log.double().exp() * F.softplus(dt_bias.double())).float()
+    monkeypatch.setattr(delta, "mamba2_decay_init", lambda n_head: (A_log[:n_head], dt_bias[:n_head]))
+    layer = get_attention("gated-linear")(config("gated-linear", {"decay_init": "mamba2"}))
+    ld = layer.gate(torch.zeros(1, 1, 24))[0, 0]
+    torch.testing.assert_close(ld, want, rtol=1e-5, atol=1e-9)
+    x = torch.randn(2, 9, 24)
+    y, _ = layer(x)
+    y.square().sum().backward()
+    assert layer.gate.bias.grad.abs().sum() > 0
+    monkeypatch.undo()
+    torch.manual_seed(3)
+    drawn = get_attention("gated-linear")(config("gated-linear", {"decay_init": "mamba2"})).gate(torch.zeros(1, 1, 24))
+    assert (drawn < 0).all() and (drawn >= -1.6 * (1 + 1e-5)).all()
+    assert not torch.allclose(drawn[0, 0], retnet_log_decays(4).float())
+
+
 @pytest.mark.parametrize("attention, opts, match", [
+    ("gated-linear", {"decay_init": "slow"}, r"attention_options\['decay_init'\] must be one of \['retnet', 'mamba2'\]"),
+    ("retention", {"decay_init": "mamba2"}, "unknown attention_options"),
     ("gated-linear", {"tau": 0}, "tau"),
     ("gated-linear", {"tau": "x"}, "tau"),
     ("retention", {"group_norm": 1}, "group_norm"),
