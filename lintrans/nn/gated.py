@@ -6,13 +6,14 @@ head h forgets with a time constant of about 2^(5 + h) tokens; identity feature 
 without affine parameters since ``c_proj`` follows). RetNet's swish output gate is not included.
 
 ``gated-linear`` (simple GLA / Mamba-2 style): a data-dependent scalar gate per token and head,
-``log_decay = -softplus(x W_g + b_g) / tau``. The bias starts at RetNet's schedule (gates near 1,
+``log_decay = -softplus(x W_g + b_g) / tau``. The bias starts by default at RetNet's schedule (gates near 1,
 different time constants per head) and ``W_g`` at zero-mean N(0, 0.02^2), so training starts from
 retention and learns when to forget. Same feature map, scaling and output norm as ``retention``.
 
 Both accept every option of ``linear`` (feature map, form, chunk size, normalize, scale, eps, qk_dim), with
 these defaults changed, plus ``group_norm`` (bool) and for ``gated-linear`` ``tau`` (> 0) and ``decay_init``
-(``retnet``, or ``mamba2``: faster starting decays, drawn as flash-linear-attention starts Mamba-2's).
+(``retnet``, or ``mamba2``: faster starting decays, drawn as flash-linear-attention starts Gated DeltaNet's
+Mamba-2 decay).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class Retention(_GatedAttention):
 
 class DecayGate(nn.Module):
     """x [B, T, C] -> log_decay [B, T, H] = -softplus(x W + b) / tau, in (-inf, 0). The bias starts the
-    decays at ``start`` ([H] log-decays <= 0, float64; default RetNet's)."""
+    decays at ``start`` ([H] log-decays < 0, float64; default RetNet's)."""
 
     def __init__(self, n_embd: int, n_head: int, tau: float, start: Optional[torch.Tensor] = None):
         super().__init__()
