@@ -108,6 +108,12 @@ def mamba2_decay_init(n_head: int, dt_min: float = 1e-3, dt_max: float = 0.1, dt
     return torch.log(A), dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
 
 
+def mamba2_log_decay(A_log: torch.Tensor, dt_in: torch.Tensor) -> torch.Tensor:
+    """Mamba-2's decay, log a = -exp(A_log) * softplus(dt_in), with dt_in = x W_a + dt_bias in the layer
+    (dt_bias alone: the decays it starts at)."""
+    return -A_log.exp() * F.softplus(dt_in)
+
+
 def causal_conv(u: torch.Tensor, weight: torch.Tensor, prev: Optional[torch.Tensor]):
     """Depthwise causal convolution: u [B, T, W], weight [W, 1, K], prev [B, K-1, W] (the inputs before
     u; None: zeros) -> (y [B, T, W], the last K-1 inputs [B, K-1, W])."""
@@ -175,7 +181,7 @@ class DeltaNet(QKVAttention):
         """log a [B, T, H] (<= 0), None for deltanet."""
         if not self.GATED:
             return None
-        return -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)
+        return mamba2_log_decay(self.A_log, self.a_proj(x) + self.dt_bias)
 
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         B, T, _ = x.shape

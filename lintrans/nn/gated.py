@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from lintrans.checks import check_number
 
+from . import delta
 from .attention import FEATURE_MAP, LinearAttention, LinearOptions
 from .registry import register_attention
 
@@ -116,10 +117,8 @@ class GatedLinearAttention(_GatedAttention):
         check_number("attention_options['tau']", tau, low=0, low_open=True)
         start = None
         if self.options["decay_init"] == "mamba2":
-            from .delta import mamba2_decay_init
-
-            A_log, dt_bias = mamba2_decay_init(self.n_head)  # log a = -A softplus(dt_bias) at the start
-            start = -(A_log.double().exp() * F.softplus(dt_bias.double()))
+            A_log, dt_bias = delta.mamba2_decay_init(self.n_head)
+            start = delta.mamba2_log_decay(A_log.double(), dt_bias.double())
         self.gate = DecayGate(config.n_embd, self.n_head, float(tau), start)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
