@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 STUDIES = ("context", "recall", "regression", "distill")
+INCOMPLETE = 3  # exit status when --max-runs stopped a study before its end
 
 
 @dataclass
@@ -37,6 +38,9 @@ class RunOptions:
     device: str = field(default="cpu", metadata={
         "help": "where every run trains: cpu (default), cuda or cuda:N (checked before any work). Runs already in "
                 "--out/runs are reused whatever trained them"})
+    max_runs: Optional[int] = field(default=None, metadata={
+        "low": 1, "help": "train at most this many runs, then stop with exit status 3 (finished runs are kept; "
+                          "the same command goes on): a long study in pieces, e.g. one per lease of a GPU"})
     progress: bool = field(default=True, metadata={"help": "progress bar (--no-progress: none)"})
     plot_only: bool = field(default=False, metadata={
         "help": "redraw the PNGs from an existing NAME.json in --out, training nothing"})
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lintrans.config import apply_flags, dump
 
-    from .study import write_record
+    from .study import StudyIncomplete, write_record
 
     mod = importlib.import_module(f"lintrans.experiments.{args.study}")
     out = None
@@ -135,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
                     raise ValueError(f"--estimate is available for the context study only, not {args.study}")
                 mod.estimate(settings, jobs=opts.jobs, device=device, out=out)
                 return 0
-            record = mod.run_study(settings, out, jobs=opts.jobs, progress=opts.progress, device=device)
+            record = mod.run_study(settings, out, jobs=opts.jobs, progress=opts.progress, device=device,
+                                   max_runs=opts.max_runs)
+    except StudyIncomplete as e:
+        print(f"lintrans experiment: {e}; finished runs are in {out / 'runs'}, the same command goes on",
+              file=sys.stderr)
+        return INCOMPLETE
     except (ValueError, TypeError) as e:
         print(f"lintrans experiment: {e}", file=sys.stderr)
         return 2

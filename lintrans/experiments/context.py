@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -349,12 +350,14 @@ def _baselines(s: dict, out, sha: str) -> dict:
     return result
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu",
+              max_runs: Optional[int] = None) -> dict:
     from .code_corpus import load
 
     corpus = load()
     sha = corpus.info["sha256"]
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device,
+                          max_runs=max_runs)
     load_before = os.getloadavg()
     mechs = s["mechanisms"]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -270,9 +271,10 @@ def _final_tuned(result: dict):
     return result["val_loss_finetuned"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu",
+              max_runs: Optional[int] = None) -> dict:
     runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME,
-                          device=device)
+                          device=device, max_runs=max_runs)
     context.token_data(s["source"])
     teacher_sweep, teachers = study.sweep_and_seeds(
         runner, ["teacher"], lrs=s["teacher_lrs"], seeds=s["seeds"], score=_final_teacher, name="role",

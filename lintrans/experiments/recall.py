@@ -222,8 +222,10 @@ def _final(result: dict):
     return result["final_loss"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu",
+              max_runs: Optional[int] = None) -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device,
+                          max_runs=max_runs)
     sweep, runs = study.sweep_and_seeds(
         runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["shapes"],
         # a rate per shape: the rate chosen at width 64 left width 128 at chance (the first version-2 record)

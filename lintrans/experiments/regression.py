@@ -18,6 +18,7 @@ layers, width 64), sized to finish within an hour with ``--jobs 2`` on a 2-core 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -162,8 +163,10 @@ def _final(result: dict):
     return result["error"]
 
 
-def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu") -> dict:
-    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device)
+def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str = "cpu",
+              max_runs: Optional[int] = None) -> dict:
+    runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, desc=NAME, device=device,
+                          max_runs=max_runs)
     sweep, runs = study.sweep_and_seeds(runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], score=_final,
                                         spec_for=lambda m, _, lr, seed: run_spec(s, m, lr, seed))
     # baselines per seed, each on that seed's held-out set, then spread like the models

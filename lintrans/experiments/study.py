@@ -163,16 +163,30 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+class StudyIncomplete(Exception):
+    """Raised by a ``Runner`` whose ``max_runs`` is spent while runs remain: what it trained is in the
+    store, and the same study started again goes on from there."""
+
+    def __init__(self, trained: int, left: int):
+        super().__init__(f"stopped after {trained} run{'s' * (trained != 1)} (the --max-runs limit); at least "
+                         f"{left} more remain")
+        self.trained, self.left = trained, left
+
+
 class Runner:
     """Runs the specs of one study that are not yet in its store, in-process (jobs=1) or in ``jobs``
     spawned worker processes with ``max(1, cores // jobs)`` torch threads each, behind one tqdm bar
-    counting ``units(spec)`` (training steps) per run; every run trains on ``device``."""
+    counting ``units(spec)`` (training steps) per run; every run trains on ``device``. With ``max_runs``
+    it trains at most that many runs, in the order asked for, then raises ``StudyIncomplete``: a study
+    too long for one sitting (or one lease of a GPU) is done in pieces without losing a started run."""
 
     def __init__(self, fn_name: str, out, *, jobs: int = 1, progress: bool = True,
                  units: Callable[[dict], int] = lambda spec: spec.get("steps", 1), desc: str = "",
-                 device: str = "cpu"):
+                 device: str = "cpu", max_runs: Optional[int] = None):
         check_positive_int("jobs", jobs)
+        check_positive_int("max_runs", max_runs, allow_none=True)
         self.fn_name, self.store, self.jobs, self.device = fn_name, RunStore(out), jobs, str(device)
+        self.max_runs = max_runs
         self.progress, self.units, self.desc = progress, units, desc
         self.trained = 0  # runs trained (not found in the store) by this runner
         self.used: set = set()  # keys of every run asked for, trained or found
@@ -188,8 +202,12 @@ class Runner:
         for spec in specs:
             if self.store.get(spec) is None:
                 todo.setdefault(run_key(spec), spec)
-        if todo:
-            self._run(list(todo.values()))
+        todo = list(todo.values())
+        allowed = len(todo) if self.max_runs is None else max(0, self.max_runs - self.trained)
+        if todo[:allowed]:
+            self._run(todo[:allowed])
+        if len(todo) > allowed:
+            raise StudyIncomplete(self.trained, len(todo) - allowed)
         return [self.store.get(spec) for spec in specs]
 
     def _run(self, specs: list[dict]) -> None:

@@ -429,3 +429,25 @@ def test_estimate_drains_the_device_queue_around_every_timed_call(tmp_path, caps
                    "--set", "sweep_contexts=[16]") == 0
     # per mechanism and context: 3 timed steps (a warm-up and 2) and one evaluation, each synchronised twice
     assert calls == ["cpu"] * 8
+
+
+def test_max_runs_stops_a_study_in_pieces_that_add_up_to_the_whole(tmp_path, capsys):
+    from lintrans.experiments.cli import INCOMPLETE
+
+    args = ["--mechanisms", "softmax", "linear:elu", "--seeds", "2", "--set", "contexts=[32]",
+            "--set", "sweep_contexts=[32]", "--lrs", "1e-3", "2e-3", "--set", "steps=3"]
+    store = tmp_path / "runs"
+    # 4 sweep runs, then each mechanism's seed 1 at its chosen rate: 6 in all, done 4 + 1 + 1
+    assert run_cli("context", tmp_path, "--max-runs", "4", *args) == INCOMPLETE
+    assert "stopped after 4 runs" in capsys.readouterr().err and not (tmp_path / "context.json").exists()
+    assert len(list(store.glob("*.json"))) == 4
+    assert run_cli("context", tmp_path, "--max-runs", "1", *args) == INCOMPLETE
+    assert "stopped after 1 run (" in capsys.readouterr().err and len(list(store.glob("*.json"))) == 5
+    assert run_cli("context", tmp_path, "--max-runs", "1", *args) == 0  # the last one: the study ends
+    assert "(1 trained now, 5 from" in capsys.readouterr().out
+    pieces = json.loads((tmp_path / "context.json").read_text())
+    assert run_cli("context", tmp_path / "whole", *args) == 0  # in one go: the same runs and results
+    whole = json.loads((tmp_path / "whole" / "context.json").read_text())
+    assert [(r["key"], r["final_val_loss"]) for r in pieces["runs"]] == [(r["key"], r["final_val_loss"]) for r in whole["runs"]]
+    assert main(["experiment", "context", "--quick", "--max-runs", "0", "--out", str(tmp_path)]) == 2
+    assert "--max-runs" in capsys.readouterr().err
