@@ -39,8 +39,8 @@ class RunOptions:
         "help": "where every run trains: cpu (default), cuda or cuda:N (checked before any work). Runs already in "
                 "--out/runs are reused whatever trained them"})
     max_runs: Optional[int] = field(default=None, metadata={
-        "low": 1, "help": "train at most this many runs, then stop with exit status 3 (finished runs are kept; "
-                          "the same command goes on): a long study in pieces, e.g. one per lease of a GPU"})
+        "low": 1, "help": "train at most this many runs; if runs remain, stop with exit status 3 (finished runs "
+                          "are kept, the same command resumes): a long study in pieces, e.g. one per lease of a GPU"})
     progress: bool = field(default=True, metadata={"help": "progress bar (--no-progress: none)"})
     plot_only: bool = field(default=False, metadata={
         "help": "redraw the PNGs from an existing NAME.json in --out, training nothing"})
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             record = mod.run_study(settings, out, jobs=opts.jobs, progress=opts.progress, device=device,
                                    max_runs=opts.max_runs)
     except StudyIncomplete as e:
-        print(f"lintrans experiment: {e}; finished runs are in {out / 'runs'}, the same command goes on",
+        print(f"lintrans experiment: {e}; finished runs are kept in {out / 'runs'}, the same command resumes",
               file=sys.stderr)
         return INCOMPLETE
     except (ValueError, TypeError) as e:

@@ -168,8 +168,8 @@ class StudyIncomplete(Exception):
     store, and the same study started again goes on from there."""
 
     def __init__(self, trained: int, left: int):
-        super().__init__(f"stopped after {trained} run{'s' * (trained != 1)} (the --max-runs limit); at least "
-                         f"{left} more remain")
+        super().__init__(f"stopped after {trained} run{'s' * (trained != 1)} (the --max-runs limit) with at "
+                         f"least {left} more to train")
         self.trained, self.left = trained, left
 
 
