@@ -62,6 +62,17 @@ def default_out(name: str, quick: bool, setting: Optional[str] = None) -> Path:
     return Path("runs/experiments") / f"{folder}-quick" if quick else Path("docs/results/experiments") / folder
 
 
+def record_folder(argv: list) -> Path:
+    """The record folder ``lintrans experiment *argv`` writes to, parsed as that command parses it
+    (``--out=PATH``, the last ``--out``, ``--setting``, ``--quick``); for tools around the CLI."""
+    from lintrans.cli import build_parser
+    from lintrans.config import apply_flags
+
+    args = build_parser(only="experiment").parse_args(["experiment", *argv])
+    opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
+    return Path(opts.out) if opts.out is not None else default_out(args.study, opts.quick, opts.setting)
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     from lintrans.config import add_arguments
 
