@@ -62,6 +62,11 @@ def default_out(name: str, quick: bool, setting: Optional[str] = None) -> Path:
     return Path("runs/experiments") / f"{folder}-quick" if quick else Path("docs/results/experiments") / folder
 
 
+def out_folder(study: str, opts: RunOptions) -> Path:
+    """Where a study run with ``opts`` writes its record: --out, else ``default_out``."""
+    return Path(opts.out) if opts.out is not None else default_out(study, opts.quick, opts.setting)
+
+
 def record_folder(argv: list) -> Path:
     """The record folder ``lintrans experiment *argv`` writes to, parsed as that command parses it
     (``--out=PATH``, the last ``--out``, ``--setting``, ``--quick``); for tools around the CLI."""
@@ -69,8 +74,7 @@ def record_folder(argv: list) -> Path:
     from lintrans.config import apply_flags
 
     args = build_parser(only="experiment").parse_args(["experiment", *argv])
-    opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
-    return Path(opts.out) if opts.out is not None else default_out(args.study, opts.quick, opts.setting)
+    return out_folder(args.study, apply_flags(RunOptions(), args, dest="opt:", label=option_label))
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     out = None
     try:
         opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
-        out = Path(opts.out) if opts.out is not None else default_out(args.study, opts.quick, opts.setting)
+        out = out_folder(args.study, opts)
         if opts.plot_only:
             path = out / f"{args.study}.json"
             if not path.is_file():
