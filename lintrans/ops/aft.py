@@ -27,7 +27,8 @@ Never builds a [T, T, D] tensor. Paths:
   chunks with a per-chunk reference carried by a scan over chunks, and log-cumsum-exp scans over T
   only when a key jumps far above the running max inside a chunk. Those choices read the keys on
   the host, so on an accelerator (``validation.reads_values``) causal simple always takes the
-  log-cumsum-exp scans, which hold for any keys and need no host sync.
+  log-cumsum-exp scans, which need no host sync; they run in float64 (not on MPS), so that a key's
+  size does not eat the value's digits (float32 keys as large as 1e7 keep the output to 1e-6).
 - local/conv on long sequences: the biased band [B, H, T, W, D] plus unbiased prefix/suffix sums from
   the same scans, O(T*W*D), no [T, T] matrix.
 """
@@ -122,7 +123,7 @@ def position_bias(variant: str, pos_bias, window, T: int, causal: bool, *, rows:
     w = w if w.dim() == 3 else w[None]  # [Hw, R, T]
     if variant == "local":
         inside = (rel >= 0) & (rel < window) if causal else rel.abs() < window
-        w = w * inside
+        w = torch.where(inside, w, 0.0)  # not w * inside: a -inf bias outside the window would give NaN
     return w
 
 
@@ -188,12 +189,21 @@ def _aft_causal_chunked(k, v, logw):
     return torch.cat(outs, dim=2)
 
 
+def _wide(x):
+    """x in float64 where the device has it: k + log(a) keeps log(a)'s digits only while ulp(k) is
+    small, about 1e-3 at |k| = 1e4 in float32 against 2e-12 in float64."""
+    return x if x.dtype == torch.float64 or x.device.type == "mps" else x.double()
+
+
 def _log_sums(k, v, reverse: bool = False):
     """log sum_{j<=t} exp(k_j) * (a_j, b_j, 1) with v = a - b, a = relu(v) + 1, b = relu(-v) + 1.
 
-    Three log-cumsum-exp scans over T (from the end when ``reverse``): O(T*D), stable for any k.
-    a, b >= 1 keep the log domain safe, and each weighted mean lies in [1, 1 + |v|]: no bad cancellation.
+    Three log-cumsum-exp scans over T (from the end when ``reverse``): O(T*D), stable for any k, in
+    float64 (``_wide``; the results are float64). a, b >= 1 keep the log domain safe, and each
+    weighted mean lies in [1, 1 + |v|]: no bad cancellation.
     """
+    k, v = _wide(k), _wide(v)
+
     def scan(x):
         return torch.logcumsumexp(x.flip(2), dim=2).flip(2) if reverse else torch.logcumsumexp(x, dim=2)
 
@@ -216,6 +226,8 @@ def _aft_banded(k, v, band_w, back: int, fwd: int, causal: bool):
     Every term is scaled by exp(-R), R the largest log-term of the row and channel: nothing overflows.
     """
     width = back + fwd + 1
+    # a shift per channel cancels in the ratio; near 0 the keys keep the bias's digits in k + w
+    k = k - k.detach().amax(2, keepdim=True)
     kb = F.pad(k, (0, 0, back, fwd), value=float("-inf")).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
     vb = F.pad(v, (0, 0, back, fwd)).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
     logits = kb + band_w[None, :, :, :, None]  # [B,H,T,W,D]; -inf at keys before 0 or after T-1
@@ -224,12 +236,13 @@ def _aft_banded(k, v, band_w, back: int, fwd: int, causal: bool):
         outside.append(tuple(_shift(x, -(fwd + 1)) for x in _log_sums(k, v, reverse=True)))  # keys j > t + fwd
     R = logits.detach().amax(3)  # [B,H,T,D]
     for la, lb, _ in outside:
-        R = torch.maximum(R, torch.maximum(la, lb).detach())
+        R = torch.maximum(R, torch.maximum(la, lb).detach().to(R.dtype))
     e = torch.exp(logits - R[:, :, :, None])  # [B,H,T,W,D]
     num, den = (e * vb).sum(3), e.sum(3)
+    Rw = _wide(R)  # the same reference, the outside sums' differences taken in float64
     for la, lb, l1 in outside:
-        num = num + torch.exp(la - R) - torch.exp(lb - R)
-        den = den + torch.exp(l1 - R)
+        num = num + (torch.exp(la - Rw) - torch.exp(lb - Rw)).to(num.dtype)
+        den = den + torch.exp(l1 - Rw).to(den.dtype)
     return num / den
 
 
@@ -283,7 +296,7 @@ def _aft_simple_causal_log(k, v):
     """The same as ``_aft_simple_causal`` from the three log-space scans (``_log_sums``): exact for
     any keys, with no choice of path made from their values. k, v: [B,H,T,D]."""
     la, lb, l1 = _log_sums(k, v)
-    return torch.exp(la - l1) - torch.exp(lb - l1)
+    return (torch.exp(la - l1) - torch.exp(lb - l1)).to(v.dtype)
 
 
 def _reverse_cumsum(x):
@@ -577,6 +590,8 @@ def aft_last_row(
     check_tensor("q", q, 3, "[B, H, D]")
     if q.shape != (B, H, Dk):
         raise ValueError(f"q must have shape [B, H, D] = {[B, H, Dk]}, got {tuple(q.shape)}")
+    if q.dtype != k.dtype or q.device != k.device:
+        raise TypeError(f"q must have k and v's dtype and device ({k.dtype}, {k.device}), got {q.dtype}, {q.device}")
     _check_variant_args(variant, pos_bias, window, L, H)
     dtype = compute_dtype(q.dtype)
     logits = k.to(dtype)  # [B,L,H,D]

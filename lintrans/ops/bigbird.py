@@ -64,6 +64,7 @@ def bigbird_mask(T: int, *, block_size: int = 64, window_blocks: int = 3, global
     check_number("T", T, integer=True, low=1)
     check_number("start", start, integer=True, low=0, high=T - 1)
     _check(block_size, window_blocks, global_blocks, random_blocks, seed, causal)
+    block_size = min(block_size, T)  # one block either way; a longer one would only be padding
     n = math.ceil(T / block_size)
     pattern = block_pattern(n, window_blocks=window_blocks, global_blocks=global_blocks,
                             random_blocks=random_blocks, seed=seed, causal=causal)
@@ -112,7 +113,7 @@ def bigbird_attention(
     check_number("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
-    c = block_size
+    c = min(block_size, T)  # one block either way; a longer one would only be padding
     n = math.ceil(T / c)
     pad = n * c - T
     qh, kh, vh = (F.pad(x.transpose(1, 2).to(dtype), (0, 0, 0, pad)) for x in (q, k, v))  # [B,H,nc,D]

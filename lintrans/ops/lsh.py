@@ -64,6 +64,9 @@ def _check_inputs(qk, v) -> tuple[int, int, int, int, int]:
     B, T, H, D = qk.shape
     if T < 1:
         raise ValueError("sequence length T must be at least 1")
+    if D < 1 or v.shape[-1] < 1:
+        raise ValueError(f"the head dimensions (the last of [B, T, H, D]) must be at least 1, got qk {tuple(qk.shape)} "
+                         f"and v {tuple(v.shape)}")
     warn_if_head_first("qk", qk)
     return B, T, H, D, v.shape[-1]
 
@@ -138,14 +141,14 @@ def lsh_mask(buckets: torch.Tensor, *, chunk_size: int, causal: bool = True, loo
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B, H, L, E], idx [B, H, ...] of positions < L -> [B, H, ..., E]."""
     B, H, _, E = x.shape
-    flat = idx.reshape(B, H, -1)
+    flat = idx.reshape(B, H, math.prod(idx.shape[2:]))  # not -1: B or H may be 0
     return x.gather(2, flat[..., None].expand(-1, -1, -1, E)).reshape(*idx.shape, E)
 
 
 def _take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table [B, H, L], idx [B, H, ...] -> table values at idx, [B, H, ...]."""
     B, H = table.shape[:2]
-    return table.gather(2, idx.reshape(B, H, -1)).reshape(idx.shape)
+    return table.gather(2, idx.reshape(B, H, math.prod(idx.shape[2:]))).reshape(idx.shape)
 
 
 def lsh_attention(
@@ -217,10 +220,11 @@ def lsh_attention(
     else:
         s = s.masked_fill(~allowed, float("-inf"))
     # the self pair: query slot t of a chunk is key slot t of the same chunk; every row keeps this
-    # finite entry (padded slots included), so no row is all -inf
+    # finite entry (padded slots included), so no row is all -inf. Every round holds it: log R off,
+    # as for any pair that R rounds allow, so that it counts once
     self_pair = torch.zeros(c, len(reach) * c, dtype=torch.bool, device=qk.device)
     self_pair[:, reach.index(0) * c:][:, :c].fill_diagonal_(True)
-    s = s.masked_fill(self_pair, SELF_SCORE)
+    s = s.masked_fill(self_pair, SELF_SCORE - math.log(R))
     p = s.softmax(dim=-1)
     o = p @ _gather(vals, k_pos)  # [B,H,R,n,c,Dv]
     o = o.reshape(B, H, R, n * c, Dv).gather(3, rank[..., None].expand(-1, -1, -1, -1, Dv))  # [B,H,R,T,Dv]

@@ -319,7 +319,7 @@ def sliding_window_attention(
         # many small per-head kernels suit a CPU's caches, not a GPU's launch costs)
         return _SlidingWindowCausal.apply(q, k, v, _plan(B, T, H, window, scale, dtype))
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
-    back, fwd = _band_reach(window, dilation, causal)
+    back, fwd = (min(r, T - 1) for r in _band_reach(window, dilation, causal))  # no key lies further
     # query blocks of C rows, each against the L = C + back + fwd keys its bands cover (plus the
     # global keys), through torch's fused SDPA: no [T, L] scores or probabilities are kept
     C = min(T, 64)

@@ -98,6 +98,9 @@ def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, 
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] < 1 or v.shape[-1] < 1:
+        raise ValueError(f"the head dimensions (the last of {layout}) must be at least 1, got q {tuple(q.shape)} "
+                         f"and v {tuple(v.shape)}")
     if ndim == 4:
         B, T, H, Dk = q.shape
         if T < 1:

@@ -158,6 +158,41 @@ def test_large_keys_stay_finite_and_accurate(variant, causal):
     assert torch.isfinite(g).all()
 
 
+@pytest.mark.parametrize("banded", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_bias_of_minus_infinity_outside_the_window_is_ignored(causal, banded, monkeypatch):
+    """Outside the window the bias is 0 whatever pos_bias holds there: a -inf entry (a masked key)
+    must not turn into NaN (-inf * 0)."""
+    if banded:
+        monkeypatch.setattr(aft_module, "BANDED_RATIO", 0.0)
+    q, k, v = inputs(1, 7, 2, 3, seed=4)
+    w = torch.randn(2, 7, 7, dtype=torch.float64)
+    w[:, :, 1] = float("-inf")  # key 1, outside the window of every row from 3 on (window 2)
+    kw = dict(variant="local", pos_bias=w, window=2, causal=causal)
+    o = aft(q, k, v, **kw)
+    torch.testing.assert_close(o, aft_reference(q, k, v, **kw))
+    assert torch.isfinite(o[:, 3:]).all()
+    if causal:
+        kw.pop("causal")
+        torch.testing.assert_close(aft_last_row(q[:, -1], k, v, **kw), o[:, -1])
+
+
+@pytest.mark.parametrize("variant", ["simple", "local"])
+def test_float32_keys_of_size_1e4_keep_the_values_digits(variant, monkeypatch, pytorch_simple):
+    """k + log(1 + |v|) in float32 loses log's digits at |k| = 1e4 (ulp 1e-3): the log-space scans
+    run in float64 and the banded keys are shifted near 0, so the error stays at float32's level."""
+    monkeypatch.setattr(aft_module, "BANDED_RATIO", 0.0)
+    q, k, v = inputs(1, 50, 2, 4, dtype=torch.float32, seed=6)
+    k = k * 3 + 1e4
+    k[:, 0] = -1e9  # a masked-looking first key: row 0's mean is still v_0
+    pos_bias, window = bias_for(variant, 50, 2)
+    kw = dict(variant=variant, pos_bias=None if pos_bias is None else pos_bias.float(), window=window)
+    o = aft(q, k, v, **kw)
+    ref = aft_reference(q.double(), k.double(), v.double(), **{**kw, "pos_bias": None if pos_bias is None
+                                                             else pos_bias.double()})
+    torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("T", [1, 2 * aft_module.SIMPLE_CHUNK, 2 * aft_module.SIMPLE_CHUNK + 3])
 @pytest.mark.parametrize("path", ["chunks", "scans over T"])
 def test_simple_causal_paths_match_reference(T, path, monkeypatch, pytorch_simple):

@@ -39,6 +39,14 @@ def test_gradients_match(causal):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"grad of {name}")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_block_longer_than_the_sequence_is_one_block_of_it(causal):
+    q, k, v = random_qkv(1, 7, 2, 3, 4, seed=3)
+    torch.testing.assert_close(bigbird_attention(q, k, v, block_size=2**40, causal=causal),
+                               bigbird_attention(q, k, v, block_size=7, causal=causal))
+    assert torch.equal(bigbird_mask(7, block_size=2**40, causal=causal), bigbird_mask(7, block_size=7, causal=causal))
+
+
 def test_the_mask_is_bigbirds():
     m = bigbird_mask(64, block_size=8, window_blocks=3, global_blocks=1, random_blocks=2, seed=0, causal=True)
     assert torch.equal(m, m & torch.ones(64, 64, dtype=torch.bool).tril())  # causal

@@ -107,6 +107,18 @@ def test_shared_qk_attention_is_softmax_over_normalised_keys_with_the_self_rule(
     torch.testing.assert_close(o[0, 0], v[0, 0])  # the first token has only itself
 
 
+@pytest.mark.parametrize("n_hashes", [1, 2, 4])
+def test_the_self_pair_counts_once_over_the_rounds(n_hashes):
+    """Every round allows a token's own pair; like any pair allowed by N rounds it must count once.
+    Seen only when another key scores near SELF_SCORE: token 1's score on key 0 is made equal to it."""
+    a = -SELF_SCORE * 2**0.5  # scale 2**-0.5: token 1's score on key 0 is -a * 2**-0.5 = SELF_SCORE
+    qk = torch.tensor([[1.0, 0.0], [-a, 0.0]], dtype=torch.float64).view(1, 2, 1, 2)
+    v = torch.tensor([[1.0], [0.0]], dtype=torch.float64).view(1, 2, 1, 1)
+    o, _ = lsh_attention(qk, v, n_buckets=1, n_hashes=n_hashes)
+    torch.testing.assert_close(o[0, 1, 0, 0], torch.tensor(0.5, dtype=torch.float64))
+    torch.testing.assert_close(o, lsh_attention_reference(qk, v, n_buckets=1, n_hashes=n_hashes))
+
+
 def test_a_token_with_no_bucket_mate_attends_to_itself():
     qk, v = inputs(1, 40, 2, 4, 3, seed=7)
     kw = dict(n_buckets=8, n_hashes=2, chunk_size=4, causal=True)

@@ -87,6 +87,16 @@ def test_window_covering_everything_is_softmax_attention(causal):
     torch.testing.assert_close(o, softmax_attention_reference(q, k, v, causal=causal))
 
 
+@pytest.mark.parametrize("dilation, glob", [(1, None), (2, None), (1, [0, 3])])
+def test_a_window_far_longer_than_the_sequence_costs_what_the_sequence_needs(dilation, glob):
+    """The band reaches at most T - 1 positions: a window of 2**40 is the window of 2T (before,
+    its padding was sized by the window: a 137 GB allocation)."""
+    q, k, v = inputs(1, 9, 2, 4, 3)
+    kw = dict(dilation=dilation, causal=False, global_tokens=glob)
+    torch.testing.assert_close(sliding_window_attention(q, k, v, window=2**40, **kw),
+                               sliding_window_attention(q, k, v, window=18 * dilation + 1, **kw))
+
+
 def test_reference_pattern_by_hand():
     """Causal window 2, dilation 2, global token 0: row 5 sees keys 5, 3 and 0 and nothing else."""
     q, k, v = inputs(1, 6, 1, 2, 2)
