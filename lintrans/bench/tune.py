@@ -54,6 +54,6 @@ def run(args) -> int:
             note = ""
         else:
             note = " (cached)"
-        cells = "  ".join(f"{c}:{float(s):.4f}" for c, s in entry["seconds"].items())
+        cells = "  ".join(f"{c}:{float(s):.4f}" for c, s in sorted(entry["seconds"].items(), key=lambda cs: int(cs[0])))
         print(f"{t_bucket(T):>9} {entry['chunk_size']:>5}  {cells}{note}")
     return 0

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from lintrans.checks import check_number
 from lintrans.models.gpt import GPT
 from lintrans.nn.feature_maps import (Hedgehog, attention_weights, distill_feature_maps,
                                       hedgehog_distillation_loss, softmax_attention_weights)
@@ -102,8 +103,8 @@ LIMITS = dict.fromkeys(("seeds", "n_layer", "n_head", "n_embd", "context", "toke
 def validate(s: dict) -> None:
     study.check_settings(s, DEFAULT, LIMITS)
     study.check_lrs(s["lrs"])
-    study.check_lrs(s["teacher_lrs"])
-    study.check_lrs([s["distill_lr"]])
+    study.check_lrs(s["teacher_lrs"], "teacher_lrs")
+    check_number("distill_lr", s["distill_lr"], low=0, high=1, low_open=True, high_open=True)
     if not isinstance(s["maps"], list) or not s["maps"] or any(m not in MAPS for m in s["maps"]):
         raise ValueError(f"maps must be a non-empty list from {list(MAPS)}, got {s['maps']!r}")
     if len(set(s["maps"])) != len(s["maps"]):

@@ -518,12 +518,12 @@ def check_ints(name: str, values) -> None:
         raise ValueError(f"{name} must be distinct and increasing, got {values}")
 
 
-def check_lrs(lrs) -> None:
+def check_lrs(lrs, name: str = "lrs") -> None:
     if not isinstance(lrs, list) or not lrs or not all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1 for x in lrs):
-        raise ValueError(f"lrs must be a non-empty list of learning rates in (0, 1), got {lrs!r}")
+        raise ValueError(f"{name} must be a non-empty list of learning rates in (0, 1), got {lrs!r}")
     if len(set(lrs)) != len(lrs):
-        raise ValueError(f"lrs must be distinct, got {lrs}")
+        raise ValueError(f"{name} must be distinct, got {lrs}")
 
 
 def setting_label(name: str) -> str:

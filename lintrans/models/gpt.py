@@ -331,8 +331,13 @@ class GPT(nn.Module):
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
+        vocab_limit: Optional[int] = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each new token [B, 1] as it is produced (prefill once, then one step per token).
+
+        ``vocab_limit``: sample only ids below it, e.g. the tokenizer's size when the embedding is
+        padded past it (GPT-2's 50257 tokens in a 50304-row table, bytes' 257 in 320): a padding id
+        has no text, and an undertrained model gives it real probability.
 
         With learned positions a model has no position past ``block_size - 1`` (nor has AFT-full/local's
         pairwise bias, or cosFormer past its ``max_len``: ``position_limit``); once the sequence would
@@ -341,9 +346,12 @@ class GPT(nn.Module):
         nothing is cropped: recurrent mechanisms keep their constant-size state and softmax its
         growing cache.
         """
+        from lintrans.checks import check_number
+
         from .generate import check_sampling, sample_next
 
         check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+        check_number("vocab_limit", vocab_limit, integer=True, low=1, high=self.config.vocab_size, allow_none=True)
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             self._check_idx(idx, 0)  # its clear error, before idx's device and length are read below
         window = self.position_limit()
@@ -358,7 +366,7 @@ class GPT(nn.Module):
             logits, cache = self.forward_cached(idx, None, last_only=True)
             tail = idx  # the last `window` tokens, kept only while cropping can happen
             for i in range(max_new_tokens):
-                nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # [B,1]
+                nxt = sample_next(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)  # [B,1]
                 yield nxt
                 if i + 1 == max_new_tokens:
                     break
@@ -381,9 +389,11 @@ class GPT(nn.Module):
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
+        vocab_limit: Optional[int] = None,
     ) -> torch.Tensor:
-        """idx [B, T] -> [B, T + max_new_tokens]. Greedy when temperature is 0."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, seed))
+        """idx [B, T] -> [B, T + max_new_tokens]. Greedy when temperature is 0; ``vocab_limit`` as in
+        ``generate_stream``."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, seed, vocab_limit))
         return torch.cat([idx, *new], dim=1)
 
     # -- weights -------------------------------------------------------------------------------

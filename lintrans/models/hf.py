@@ -120,7 +120,25 @@ def _apply_overrides(config: GPTConfig, overrides: dict) -> GPTConfig:
     if qk_dim is not None and qk_dim != config.n_embd // config.n_head:
         raise ValueError(f"attention_options['qk_dim'] = {qk_dim} would change c_attn's shape (queries and keys "
                          f"{config.n_embd // config.n_head} wide per head in these weights): leave it out when loading")
+    if "attention" in overrides and overrides["attention"] != config.attention and "attention_options" not in overrides:
+        overrides = {**overrides, "attention_options": _options_that_carry_over(config, overrides["attention"])}
     return config.replace(**overrides) if overrides else config
+
+
+def _options_that_carry_over(config: GPTConfig, attention: str) -> dict:
+    """The saved attention_options that ``attention`` also takes (qk_dim, chunk_size, ...): the others
+    belong to the mechanism the weights were trained with and are left out, with a warning."""
+    import dataclasses
+
+    from lintrans.nn.registry import attention_options
+
+    taken = {f.name for f in dataclasses.fields(attention_options(attention))}
+    kept = {k: v for k, v in config.attention_options.items() if k in taken}
+    dropped = sorted(set(config.attention_options) - taken)
+    if dropped:
+        warnings.warn(f"attention_options {dropped} of {config.attention!r} are not options of {attention!r} and "
+                      "are left out (pass attention_options to set its own)", UserWarning, stacklevel=4)
+    return kept
 
 
 def _read_tensors(path: Path) -> dict:

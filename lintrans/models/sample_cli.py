@@ -14,8 +14,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="Hugging Face GPT-2 folder, or a model name found in the local HF cache (e.g. gpt2)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--tokenizer", choices=("gpt2", "bytes"), default=None,
-                        help="default: the one a lintrans checkpoint records, else bytes for a 257-token "
-                        "vocabulary, else gpt2")
+                        help="default: the one a lintrans checkpoint records, else bytes for a vocabulary "
+                        "smaller than GPT-2's, else gpt2")
     parser.add_argument("--max-new-tokens", type=int, default=200,
                         help="tokens to generate per sample (default 200); may exceed the block size: with learned positions (or AFT-full/local, cosFormer) "
                              "the context is then cropped to the last block_size (max_len) tokens, as nanoGPT does")
@@ -31,13 +31,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _saved_tokenizer(checkpoint) -> str | None:
-    """The tokenizer a lintrans training checkpoint records in its config.json, if any."""
+    """The tokenizer a lintrans training checkpoint records in its config.json (the folder's, or the
+    file itself when given), if any."""
     import json
     from pathlib import Path
 
-    if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
+    if not checkpoint:
         return None
-    name = json.loads((Path(checkpoint) / "config.json").read_text()).get("tokenizer")
+    path = Path(checkpoint)
+    path = path / "config.json" if path.is_dir() else path
+    if path.name != "config.json" or not path.is_file():
+        return None
+    try:
+        name = json.loads(path.read_text()).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
     return name if name in ("gpt2", "bytes") else None
 
 
@@ -60,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"lintrans sample: {e}", file=sys.stderr)
         return 2
     model.to(args.device).eval()
-    name = args.tokenizer or _saved_tokenizer(args.checkpoint) or (
-        "bytes" if model.config.vocab_size == 257 and not args.hf else "gpt2"
+    from lintrans.tokenizer import GPT2Tokenizer
+
+    # a model too small for GPT-2's vocabulary is a byte model (lintrans pads 257 bytes to 320)
+    name = args.tokenizer or _saved_tokenizer(args.checkpoint or args.hf) or (
+        "bytes" if model.config.vocab_size < GPT2Tokenizer.vocab_size else "gpt2"
     )
     from lintrans.tokenizer import get_tokenizer
 
@@ -103,7 +114,8 @@ def _stream(model, tok, idx, args, seed, out) -> None:
     out.flush()
     # decode the growing tail so multi-byte characters split across tokens print correctly
     pending: list[int] = []
-    for nxt in model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed):
+    for nxt in model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed,
+                                     vocab_limit=tok.vocab_size):  # never a padding id: it has no text
         pending.append(int(nxt[0, 0]))
         text = tok.decode(pending)
         if not text.endswith("\ufffd"):

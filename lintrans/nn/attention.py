@@ -265,6 +265,12 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
                          f"allowed: {sorted(accepted)}")
     if per_head and "num_heads" in inspect.signature(cls).parameters:
         kwargs.setdefault("num_heads", n_head)
+    missing = sorted(p.name for p in inspect.signature(cls).parameters.values()
+                     if p.default is inspect.Parameter.empty and p.name not in ("head_dim", "self")
+                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in kwargs)
+    if missing:
+        raise ValueError(f"attention_options['feature_map_options'] for {name!r} needs {missing}, e.g. "
+                         f"feature_map_options={{{', '.join(repr(m) + ': ...' for m in missing)}}}")
     phi_q = cls(head_dim, **kwargs)
     return (phi_q, None) if shared_qk else (phi_q, cls(head_dim, **kwargs))
 

@@ -73,10 +73,9 @@ def _check_variant_args(variant, pos_bias, window, T: int, H: int) -> None:
             raise ValueError(f"variant {variant!r} needs pos_bias")
         if variant == "conv":
             check_tensor("pos_bias", pos_bias, 2, "[H, kernel]")
-            if pos_bias.shape[0] != H:
-                raise ValueError(
-                    f"pos_bias for variant 'conv' must have shape [H, kernel] with H={H}, got {tuple(pos_bias.shape)}"
-                )
+            if pos_bias.shape[0] != H or pos_bias.shape[1] < 1:
+                raise ValueError(f"pos_bias for variant 'conv' must have shape [H, kernel] with H={H} and kernel >= 1, "
+                                 f"got {tuple(pos_bias.shape)}")
         else:
             if not isinstance(pos_bias, torch.Tensor) or pos_bias.dim() not in (2, 3):
                 raise ValueError(
@@ -514,6 +513,8 @@ class AFTWindowState(NamedTuple):
 def _band_width(variant: str, pos_bias, window) -> int:
     if variant not in ("local", "conv"):
         raise ValueError(f"variant must be 'local' or 'conv' for a windowed AFT state, got {variant!r}")
+    if variant == "conv" and not isinstance(pos_bias, torch.Tensor):
+        raise ValueError(f"variant 'conv' needs pos_bias, a tensor [H, kernel], got {type(pos_bias).__name__}")
     return pos_bias.shape[-1] if variant == "conv" else window
 
 
@@ -544,7 +545,8 @@ def aft_window_step(
 
     The key leaving the window joins the unbiased sum; the window's keys get their bias.
     """
-    B, _, H, D, _ = check_qkv(q, k, v, layout="[B, H, D]")
+    B, _, H, D, Dv = check_qkv(q, k, v, layout="[B, H, D]")
+    _check_one_d(D, Dv)
     W = _band_width(variant, pos_bias, window)
     if not isinstance(state, AFTWindowState) or state.ring_k.shape != (B, H, W, D):
         raise ValueError(f"state must be an AFTWindowState with a ring of shape {[B, H, W, D]} (from aft_window_state)")

@@ -114,7 +114,9 @@ def context_parallel_linear_attention(
     """Causal linear attention on a sequence split over the ranks of ``group`` (default: the world).
 
     Rank r passes its contiguous slice, q, k: [B, T_r, H, Dk], v: [B, T_r, H, Dv], the ranks in
-    sequence order; every rank must call this with the same B, H, D and options (``T_r`` may differ).
+    sequence order; every rank must call this with the same B, H, D and options (``T_r`` may differ,
+    but is at least 1 on every rank: a rank with no tokens raises ValueError before the all-gather,
+    and its peers then fail inside it).
     ``kwargs`` are those of ``linear_attention``: ``feature_map``, ``normalize``, ``scale``, ``eps``,
     ``form``, ``chunk_size``; ``log_decay`` for this rank's tokens ([B, T_r, H]) or fixed ([H]);
     ``initial_state`` the state before rank 0's first token (the same on every rank).

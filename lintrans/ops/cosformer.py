@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .linear import linear_attention, linear_attention_step
-from .validation import check_bool, check_number, check_qkv, compute_dtype
+from .validation import check_bool, check_number, check_positive_int, check_qkv, compute_dtype
 
 
 class CosformerState(NamedTuple):
@@ -78,6 +78,8 @@ def cosformer_attention(
     """
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_bool("causal", causal)
+    check_bool("output_final_state", output_final_state)
+    check_positive_int("chunk_size", chunk_size)  # also where the call has no use for it: a typo shows
     check_number("eps", eps, low=0)
     dtype = compute_dtype(q.dtype)
     offset = 0

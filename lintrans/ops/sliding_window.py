@@ -407,10 +407,11 @@ def sliding_window_step(
     elif (
         not isinstance(cache, SlidingWindowCache)
         or cache.ring_k.shape != (B, H, R, Dk)
+        or cache.ring_v.shape != (B, H, R, Dv)
         or cache.ring_k.dtype != dtype
     ):
         raise ValueError(
-            f"cache must be a SlidingWindowCache with a ring of shape {[B, H, R, Dk]} in {dtype} "
+            f"cache must be a SlidingWindowCache with rings of shape {[B, H, R, Dk]} and {[B, H, R, Dv]} in {dtype} "
             "(same window, dilation and batch as the calls that built it)"
         )
     p = cache.pos

@@ -249,8 +249,8 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"train.init_from {cfg.train.init_from} has {model.config.vocab_size} tokens, fewer than "
                          f"the {tokenizer.name} tokenizer's {tokenizer.vocab_size}: set data.tokenizer to its own")
-    swap = f", trained with {trained_with} attention: this run fine-tunes them for it" if trained_with else ""
-    say(f"initial weights from {cfg.train.init_from} ({model.config.attention} attention){swap}")
+    swap = f" (they were trained with {trained_with} attention: this run fine-tunes them for it)" if trained_with else ""
+    say(f"initial weights from {cfg.train.init_from}, run with {model.config.attention} attention{swap}")
     return model
 
 
@@ -342,7 +342,8 @@ class _Run:
             _check_resume(self.found, self.saved, cfg, expected)
             done = self.saved["trainer_state"]["step"]
             if done >= cfg.train.max_steps:
-                self.say(f"nothing to train: the checkpoint in {self.found} is at step {done}, already at "
+                self.say(f"nothing to train: the checkpoint in {self.found} is at step {done}, "
+                         f"{'already at' if done == cfg.train.max_steps else 'past'} "
                          f"train.max_steps={cfg.train.max_steps}. To train further, raise it (e.g. --train.max_steps "
                          f"{2 * done}; the learning-rate schedule then stretches to the new end), or use a new "
                          "train.out_dir.")

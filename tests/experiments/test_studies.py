@@ -214,6 +214,8 @@ def test_quick_does_not_default_to_the_record_folder():
     ("context", ["--plot-only"], "--plot-only"),
     ("distill", ["--set", "maps=[\"elu\",\"cosine\"]"], "maps"),
     ("distill", ["--set", "context=48"], "multiples of context"),
+    ("distill", ["--distill-lr", "0"], "distill_lr must be a number in (0, 1)"),
+    ("distill", ["--teacher-lrs", "0"], "teacher_lrs must be a non-empty list"),
 ])
 def test_bad_input_exits_2_with_one_line(name, args, match, tmp_path, capsys):
     assert run_cli(name, tmp_path, *args) == 2

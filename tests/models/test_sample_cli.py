@@ -69,8 +69,46 @@ def test_sample_uses_the_tokenizer_the_checkpoint_records(tmp_path, capsys):
     save_model(model, tmp_path, extra_config={"tokenizer": "bytes"})
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "3",
                  "--temperature", "0"]) == 0
-    ids = model.generate(torch.tensor([list(b"hi")]), 3, temperature=0)[0].tolist()
+    ids = model.generate(torch.tensor([list(b"hi")]), 3, temperature=0, vocab_limit=257)[0].tolist()
     assert capsys.readouterr().out == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace") + "\n"
+
+
+@pytest.mark.parametrize("how", ["config file", "hf folder", "no record"])
+def test_sample_finds_the_byte_tokenizer_from_any_path_to_the_checkpoint(tmp_path, capsys, how):
+    """--checkpoint DIR/config.json and --hf DIR read the record too; a model without one but too small
+    for GPT-2's vocabulary (lintrans pads 257 bytes to 320) is a byte model, not an error."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=320))
+    save_model(model, tmp_path, extra_config=None if how == "no record" else {"tokenizer": "bytes"})
+    source = {"config file": ["--checkpoint", str(tmp_path / "config.json")],
+              "hf folder": ["--hf", str(tmp_path)], "no record": ["--checkpoint", str(tmp_path)]}[how]
+    assert main(["sample", *source, "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("hi")
+
+
+def test_sample_never_draws_a_padding_id(tmp_path, capsys):
+    """GPT-2's 50257 tokens in a 50304-row table: an untrained model gives the 47 padding ids real
+    probability, and a drawn one has no text (it crashed the GPT-2 decoder; bytes dropped it)."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=64, vocab_size=50304))
+    with torch.no_grad():
+        model.lm_head.weight[50257:] += 50.0  # make the padding ids the likeliest
+    save_model(model, tmp_path, extra_config={"tokenizer": "gpt2"})
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "20",
+                 "--seed", "0"]) == 0
+    ids = model.generate(torch.tensor([[5]]), 20, seed=0, vocab_limit=50257)[0]
+    assert int(ids.max()) < 50257
+    with pytest.raises(ValueError, match="vocab_limit must be an int in"):
+        model.generate(torch.tensor([[5]]), 2, vocab_limit=50305)
+
+
+def test_sample_swaps_to_an_attention_with_other_options(tmp_path, capsys):
+    """A DeltaNet checkpoint saved with conv_init: --attention linear leaves that option out (with a
+    warning) instead of refusing it as unknown to linear attention."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=320, attention="deltanet",
+                          attention_options={"conv_init": "identity"}))
+    save_model(model, tmp_path, extra_config={"tokenizer": "bytes"})
+    with pytest.warns(UserWarning, match=r"\['conv_init'\] of 'deltanet' are not options of 'linear'"):
+        assert main(["sample", "--checkpoint", str(tmp_path), "--attention", "linear", "--prompt", "hi",
+                     "--max-new-tokens", "3", "--temperature", "0"]) == 0
 
 
 def test_sample_on_a_missing_device_is_one_line(byte_checkpoint, capsys):

@@ -125,6 +125,7 @@ def test_module_feature_maps_are_trainable_submodules():
      ({"feature_map": "elu", "feature_map_options": {"x": 1}}, ValueError, "takes no feature_map_options"),
      ({"feature_map": "hedgehog", "feature_map_options": {"bogus": 1}}, ValueError,
       r"feature_map_options'\] for 'hedgehog' has unknown keys \['bogus'\]"),
+     ({"feature_map": "performer"}, ValueError, r"for 'performer' needs \['num_features'\]"),
      ({"eps": -1.0}, ValueError, r"eps'\] must be a number >= 0"),
      ({"feature_map": 3}, TypeError, "feature_map'\\] must be one of"),
      ({"qk_dim": 0}, ValueError, "qk_dim"),

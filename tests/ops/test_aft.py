@@ -328,6 +328,7 @@ def test_last_row_equals_forward(variant):
         (dict(variant="local", pos_bias=torch.zeros(6, 6), window=0), ValueError, "window must be an int >= 1"),
         (dict(variant="full", pos_bias=torch.zeros(6, 6), window=2), ValueError, "only used by variant 'local'"),
         (dict(variant="conv", pos_bias=torch.zeros(3, 4)), ValueError, r"\[H, kernel\] with H=2"),
+        (dict(variant="conv", pos_bias=torch.zeros(2, 0)), ValueError, "kernel >= 1"),
         (dict(variant="conv", pos_bias=torch.zeros(2, 4), causal=False), ValueError, "odd width"),
         (dict(variant="simple", causal=1), TypeError, "causal must be a bool"),
     ],
@@ -345,9 +346,16 @@ def test_bad_shapes_and_state():
     # the decoding helpers too: with Dv = 1 they would broadcast silently
     for make in (lambda: aft_simple_state(k, v[..., :1]),
                  lambda: aft_window_state(k, v[..., :1], variant="local", pos_bias=torch.zeros(6, 6), window=2),
-                 lambda: aft_last_row(q[:, -1], k, v[..., :1], variant="simple")):
+                 lambda: aft_last_row(q[:, -1], k, v[..., :1], variant="simple"),
+                 lambda: aft_window_step(q[:, 0], k[:, 0], v[:, 0, :, :1],
+                                         aft_window_state(k, v, variant="local", pos_bias=torch.zeros(7, 7), window=2),
+                                         variant="local", pos_bias=torch.zeros(7, 7), window=2)):
         with pytest.raises(ValueError, match="same last dimension"):
             make()
+    with pytest.raises(TypeError, match="q must have k and v's dtype"):
+        aft_last_row(q[:, -1].double(), k, v, variant="simple")
+    with pytest.raises(ValueError, match="variant 'conv' needs pos_bias"):
+        aft_window_step(q[:, 0], k[:, 0], v[:, 0], None, variant="conv", pos_bias=None)
     with pytest.raises(ValueError, match="state num must be"):
         aft_simple_step(q[:, 0], k[:, 0], v[:, 0], (torch.zeros(1, 2, 3),) * 3)
     with pytest.raises(TypeError, match="triple"):

@@ -78,6 +78,8 @@ def test_low_precision_inputs_keep_their_dtype():
     (dict(output_final_state=True), ValueError, "need a fixed max_len"),
     (dict(causal=False, max_len=64, output_final_state=True), ValueError, "need causal=True"),
     (dict(max_len=64, initial_state=(1, 2)), TypeError, "initial_state must be a CosformerState"),
+    (dict(max_len=64, output_final_state="yes"), TypeError, "output_final_state must be a bool"),
+    (dict(causal=False, chunk_size=0), ValueError, "chunk_size must be an int >= 1"),
 ])
 def test_bad_arguments(kw, err, match):
     q, k, v = inputs(1, 12, 2, 4, 4)

@@ -145,6 +145,24 @@ def test_half_precision_keeps_float32_state(dtype, tol, form):
     assert rel < tol
 
 
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "based"])
+def test_half_precision_inputs_give_every_form_and_the_step_the_same_state(feature_map):
+    """A chunked prompt continued by steps: every form and the step apply a named feature map in the
+    state dtype (float32), so from the same 16-bit values they agree to float32 rounding, not bf16's."""
+    q, k, v = (x.to(torch.bfloat16) for x in rand(1, 40, 2, 8, 4, dtype=torch.float32))
+    _, (S64, z64) = linear_attention(q.double(), k.double(), v.double(), feature_map=feature_map,
+                                     output_final_state=True)
+    states = {form: linear_attention(q, k, v, form=form, feature_map=feature_map, chunk_size=16,
+                                     output_final_state=True)[1] for form in FORMS}
+    state = None
+    for t in range(q.shape[1]):
+        _, state = linear_attention_step(q[:, t], k[:, t], v[:, t], state, feature_map=feature_map)
+    states["step"] = state
+    for name, (S, z) in states.items():
+        rel = ((S.double() - S64).abs().max() / S64.abs().max()).item()
+        assert rel < 1e-5, (name, rel)
+
+
 def _bad(match, exc=ValueError, **overrides):
     q, k, v = rand(1, 8, 2, 4, 4, dtype=torch.float32)
     args = dict(q=q, k=k, v=v)
@@ -164,6 +182,7 @@ def test_bad_input_errors_name_the_argument():
     _bad(r"feature_map must be a name", exc=TypeError, feature_map=3)
     _bad(r"chunk_size must be an int >= 1", chunk_size=0)
     _bad(r"chunk_size must be an int >= 1", exc=TypeError, chunk_size=2.5)
+    _bad(r"output_final_state must be a bool", exc=TypeError, output_final_state="yes")
     _bad(r"q must be a floating tensor", exc=TypeError, q=torch.ones(1, 8, 2, 4, dtype=torch.long))
     _bad(r"q, k and v must share one dtype", exc=TypeError, v=torch.randn(1, 8, 2, 4, dtype=torch.float64))
     _bad(r"T must be at least 1", q=torch.randn(1, 0, 2, 4), k=torch.randn(1, 0, 2, 4), v=torch.randn(1, 0, 2, 4))

@@ -287,3 +287,5 @@ def test_step_rejects_a_cache_from_other_settings():
     with pytest.raises(ValueError, match="SlidingWindowCache"):
         sliding_window_step(q[:, 0], k[:, 0], v[:, 0], cache, window=5)
     assert isinstance(cache, SlidingWindowCache)
+    with pytest.raises(ValueError, match="SlidingWindowCache"):  # values of another width
+        sliding_window_step(q[:, 0], k[:, 0], torch.randn(1, 2, 3), cache, window=3)

@@ -314,7 +314,7 @@ def test_init_from_starts_from_the_weights_and_can_swap_attention(tiny_config, a
         tuned = train(tiny_config("tuned", **{"train.max_steps": 1, "model.attention": attention,
                                              "train.init_from": str(teacher.out_dir / "checkpoint")}))
     err = capsys.readouterr().err
-    assert f"initial weights from {teacher.out_dir / 'checkpoint'} ({attention} attention)" in err
+    assert f"initial weights from {teacher.out_dir / 'checkpoint'}, run with {attention} attention" in err
     assert ("this run fine-tunes them" in err) == (attention != "softmax") and "until it is fine-tuned" not in err
     assert tuned.losses[1] < fresh.losses[1] - 0.5  # it starts where the teacher got to, not from scratch
     from lintrans.models import load_model
@@ -322,6 +322,27 @@ def test_init_from_starts_from_the_weights_and_can_swap_attention(tiny_config, a
     assert load_model(tuned.out_dir / "checkpoint").config.attention == attention
     with pytest.raises(FileNotFoundError, match="^train.init_from: name_or_path '.*nope': no such file or folder"):
         train(tiny_config("bad", **{"train.init_from": str(teacher.out_dir / "nope")}))
+
+
+def test_bare_cli_init_from_keeps_the_checkpoints_attention(tiny_config, capsys):
+    """With no --config the CLI reads the shipped tiny config, whose model says softmax: with
+    train.init_from that section must not swap a linear checkpoint to softmax; the command line's
+    own model keys still apply."""
+    from lintrans.cli import main
+    from lintrans.models import load_model
+
+    cfg = tiny_config("lin", **{"model.attention": "linear", "train.max_steps": 1})
+    train(cfg)
+    start = f"{cfg.train.out_dir}/checkpoint"
+    common = [f"--set=data.source={cfg.data.source}", f"--set=data.cache_dir={cfg.data.cache_dir}",
+              "--set=train.batch_size=2", "--set=train.max_steps=1", "--set=train.eval_batches=1",
+              "--set=train.progress=false", f"--set=train.init_from={start}"]
+    out = str(cfg.train.out_dir) + "-tuned"
+    assert main(["train", *common, f"--set=train.out_dir={out}"]) == 0
+    assert load_model(out + "/checkpoint").config.attention == "linear"
+    assert "the model is train.init_from's" in capsys.readouterr().err
+    assert main(["train", *common, f"--set=train.out_dir={out}-softmax", "--model.attention", "softmax"]) == 0
+    assert load_model(out + "-softmax/checkpoint").config.attention == "softmax"
 
 
 def test_invalid_attention_is_reported_as_such_when_a_run_folder_exists(tiny_config):

@@ -77,16 +77,14 @@ def test_decoding_step_keeps_its_state_in_float32():
 def test_bf16_inputs_accumulate_in_float32(form):
     """What a GPT layer hands the op under autocast (bf16 q, k, v from its projection): the state comes
     back in float32 and equals float64 sums of the same features (a bf16 sum of 300 terms would be
-    off by ~1e-1 here), and the output is off only by its own rounding to bf16. The chunked form
-    applies the feature map to q and k in float32, the others to the bf16 tensors (features rounded
-    to bf16): the reference does the same."""
+    off by ~1e-1 here), and the output is off only by its own rounding to bf16. Every form applies
+    a named feature map to q and k in float32: the reference does the same."""
     q, k, v = (t.detach() for t in _leaves((1, 300, 2, 8), (1, 300, 2, 8), (1, 300, 2, 8), dtype=torch.bfloat16))
     ld = -torch.rand(1, 300, 2) * 0.05
     with torch.autocast(**BF16):
         o, (S, z) = linear_attention(q, k, v, form=form, chunk_size=32, log_decay=ld, output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == z.dtype == torch.float32
-    qr, kr = (q.float(), k.float()) if form == "chunked" else (q, k)
-    o_ref, (S_ref, z_ref) = linear_attention_reference(qr, kr, v, log_decay=ld)
+    o_ref, (S_ref, z_ref) = linear_attention_reference(q.float(), k.float(), v, log_decay=ld)
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-2, atol=1e-2)  # bf16 has 8 bits: 2^-8 = 4e-3
     torch.testing.assert_close(S.double(), S_ref, rtol=1e-5, atol=1e-4)  # |S| ~ 20: float32 sums
     torch.testing.assert_close(z.double(), z_ref, rtol=1e-5, atol=1e-4)

@@ -8,7 +8,7 @@ import torch
 
 from ..feature_maps import OUTPUT_DERIVATIVES, named_feature_dim, resolve_feature_map
 from ..native import chunked as native_chunked
-from ..validation import autocast_off, check_choice, check_positive_int, check_qkv, compute_dtype
+from ..validation import autocast_off, check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
 from .checks import State, check_log_decay, check_scalars, featurize, log_decay_head_first, resolve_chunk, state0
 from .chunked import Chunked, ChunkedAttention, chunks_per_block
 from .forms import FORMS
@@ -98,6 +98,7 @@ def linear_attention(
     if chunk_size != "auto":
         check_positive_int("chunk_size", chunk_size)
     check_scalars(normalize, scale, eps)
+    check_bool("output_final_state", output_final_state)
     if backend == "fla":
         return _fla_attention(q, k, v, form, feature_map, normalize, scale, eps, initial_state, output_final_state,
                               log_decay)

@@ -33,12 +33,14 @@ def check_state(
 
 def featurize(q, k, feature_map, scale):
     phi_q, phi_k = resolve_feature_map(feature_map)
+    dtype = compute_dtype(q.dtype)
+    if isinstance(feature_map, str):  # as the chunked form applies it: in the state dtype, so that every
+        q, k = q.to(dtype), k.to(dtype)  # form and the step agree under 16-bit inputs (modules keep theirs)
     fq, fk = phi_q(q), phi_k(k)
     if fq.shape != fk.shape or fq.shape[:-1] != q.shape[:-1]:
         raise ValueError(
             f"feature_map must map q and k to one shape [..., F], got {tuple(fq.shape)} and {tuple(fk.shape)}"
         )
-    dtype = compute_dtype(q.dtype)
     fq = fq.to(dtype)
     if scale != 1.0:
         fq = fq * scale
