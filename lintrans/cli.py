@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("lintrans.bench.cli", "benchmarks: attention ops, training step, generation (JSON + PNG)"),
     "tune": ("lintrans.bench.tune", "pick the fastest chunk size by measurement and cache it"),
     "cost": ("lintrans.bench.cost_cli", "parameters, FLOPs, state vs KV-cache bytes, arithmetic intensity, MFU"),
-    "train": ("lintrans.train.cli", "train a GPT (softmax or linear attention) from text or token files"),
+    "train": ("lintrans.train.cli", "train a GPT (any attention in lintrans.nn.available_attention()) from text or token files"),
     "sample": ("lintrans.models.sample_cli", "generate text from a checkpoint or a Hugging Face GPT-2 folder"),
     "experiment": ("lintrans.experiments.cli", "learning studies: context, recall, regression, distill (JSON + PNG)"),
 }

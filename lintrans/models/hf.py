@@ -230,8 +230,13 @@ def config_to_hf(config: GPTConfig) -> dict:
         "activation_function": "gelu_new" if config.gelu_approximate == "tanh" else "gelu",
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "tie_word_embeddings": True,
-        "bos_token_id": 50256, "eos_token_id": 50256,
+        # GPT-2's end of text where the vocabulary has it, else the byte tokenizer's (256); none below that
+        "bos_token_id": _eot(config.vocab_size), "eos_token_id": _eot(config.vocab_size),
     }
+
+
+def _eot(vocab_size: int):
+    return 50256 if vocab_size > 50256 else 256 if vocab_size > 256 else None
 
 
 def state_dict_from_hf(hf_state: dict) -> dict:

@@ -236,7 +236,10 @@ def prepare_data(
 def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Path, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # name the key, not only the path
+        raise ValueError(f"data.cache_dir {str(entry.parent)!r} cannot be created: {e.strerror or e}") from None
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     n_tokens = n_docs = 0
     try:

@@ -412,7 +412,10 @@ class _Run:
         self.log = None
         if not info.is_main:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # name the key, not only the path
+            raise ValueError(f"train.out_dir {str(self.out_dir)!r} cannot be created: {e.strerror or e}") from None
         write_resolved(cfg, g, self.out_dir / "config.yaml")
         self.log = MetricsLog(self.out_dir, self.step, self.say)
         self.say(f"model: {g.attention} attention, {self.model.get_num_params() / 1e6:.2f}M parameters "

@@ -85,6 +85,17 @@ def test_save_hf_round_trips_and_transformers_reads_it(tmp_path, safe):
     assert torch.equal(ours_logits(again, idx), ours_logits(ours, idx))
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert (hf_logits(theirs, idx) - ours_logits(ours, idx)).abs().max() <= 1e-4
+    # end-of-text ids the vocabulary has: GPT-2's 50256, bytes' 256, none in a smaller one
+    assert theirs.config.eos_token_id is None or theirs.config.eos_token_id < VOCAB
+
+
+@pytest.mark.parametrize("vocab, eot", [(50304, 50256), (320, 256), (100, None)])
+def test_save_hf_names_an_end_of_text_id_the_vocabulary_has(tmp_path, vocab, eot):
+    import json
+
+    save_hf(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=vocab)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == eot
 
 
 @pytest.mark.filterwarnings("ignore::lintrans.models.hf.AttentionSwapWarning")  # tested on its own elsewhere

@@ -345,6 +345,14 @@ def test_bare_cli_init_from_keeps_the_checkpoints_attention(tiny_config, capsys)
     assert load_model(out + "-softmax/checkpoint").config.attention == "softmax"
 
 
+def test_folders_that_cannot_be_created_name_their_key(tiny_config, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="^train.out_dir .* cannot be created"):
+        train(tiny_config(**{"train.out_dir": str(tmp_path / "file" / "run")}))
+    with pytest.raises(ValueError, match="^data.cache_dir .* cannot be created"):
+        train(tiny_config(**{"data.cache_dir": str(tmp_path / "file" / "cache")}))
+
+
 def test_invalid_attention_is_reported_as_such_when_a_run_folder_exists(tiny_config):
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="attention must be one of .* got 'flash'"):
