@@ -134,11 +134,26 @@ def _options_that_carry_over(config: GPTConfig, attention: str) -> dict:
 
     taken = {f.name for f in dataclasses.fields(attention_options(attention))}
     kept = {k: v for k, v in config.attention_options.items() if k in taken}
-    dropped = sorted(set(config.attention_options) - taken)
+    # a name both take may hold a value only the old one accepts (linear's form="attention")
+    kept = {k: v for k, v in kept.items() if _layer_builds(config, attention, {k: v})}
+    dropped = sorted(set(config.attention_options) - set(kept))
     if dropped:
-        warnings.warn(f"attention_options {dropped} of {config.attention!r} are not options of {attention!r} and "
-                      "are left out (pass attention_options to set its own)", UserWarning, stacklevel=4)
+        warnings.warn(f"attention_options {dropped} of {config.attention!r} are not options of {attention!r} (or "
+                      "not values it takes) and are left out (pass attention_options to set its own)",
+                      UserWarning, stacklevel=4)
     return kept
+
+
+def _layer_builds(config: GPTConfig, attention: str, options: dict) -> bool:
+    """Whether one layer of ``attention`` with ``options`` builds (on the meta device: no memory)."""
+    from lintrans.nn.registry import get_attention
+
+    try:
+        with torch.device("meta"):
+            get_attention(attention)(config.replace(attention=attention, attention_options=options))
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _read_tensors(path: Path) -> dict:

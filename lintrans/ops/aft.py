@@ -225,20 +225,22 @@ def _aft_banded(k, v, band_w, back: int, fwd: int, causal: bool):
     Every term is scaled by exp(-R), R the largest log-term of the row and channel: nothing overflows.
     """
     width = back + fwd + 1
-    # a shift per channel cancels in the ratio; near 0 the keys keep the bias's digits in k + w
-    k = k - k.detach().amax(2, keepdim=True)
     kb = F.pad(k, (0, 0, back, fwd), value=float("-inf")).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
     vb = F.pad(v, (0, 0, back, fwd)).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
-    logits = kb + band_w[None, :, :, :, None]  # [B,H,T,W,D]; -inf at keys before 0 or after T-1
+    # each row's logits relative to its band's largest key r (the band holds key t: r is finite), so
+    # that k - r is formed before the bias is added: at |k| = 1e4, k + w in float32 loses w's digits
+    r = kb.detach().amax(3)  # [B,H,T,D]
+    logits = (kb - r[:, :, :, None]) + band_w[None, :, :, :, None]  # [B,H,T,W,D]; -inf outside 0..T-1
     outside = [tuple(_shift(x, back + 1) for x in _log_sums(k, v))]  # keys j < t - back
     if not causal:
         outside.append(tuple(_shift(x, -(fwd + 1)) for x in _log_sums(k, v, reverse=True)))  # keys j > t + fwd
-    R = logits.detach().amax(3)  # [B,H,T,D]
+    rw = _wide(r)
+    R = logits.detach().amax(3)  # [B,H,T,D], relative to r
     for la, lb, _ in outside:
-        R = torch.maximum(R, torch.maximum(la, lb).detach().to(R.dtype))
+        R = torch.maximum(R, (torch.maximum(la, lb).detach() - rw).to(R.dtype))
     e = torch.exp(logits - R[:, :, :, None])  # [B,H,T,W,D]
     num, den = (e * vb).sum(3), e.sum(3)
-    Rw = _wide(R)  # the same reference, the outside sums' differences taken in float64
+    Rw = _wide(R) + rw  # the same reference, absolute: the outside sums' differences taken in float64
     for la, lb, l1 in outside:
         num = num + (torch.exp(la - Rw) - torch.exp(lb - Rw)).to(num.dtype)
         den = den + torch.exp(l1 - Rw).to(den.dtype)
@@ -569,10 +571,12 @@ def aft_window_step(
         w = bias[:, :n]  # [H, n]
     else:
         w = (bias if bias.dim() == 3 else bias[None])[:, p, j]  # [Hw, n]
-    logits = ring_k[:, :, j % W] + w[None, :, :, None]  # [B,H,n,D]
-    R = torch.maximum(logits.amax(2), m)
+    kw = ring_k[:, :, j % W]  # [B,H,n,D]
+    r = torch.maximum(kw.amax(2), m)  # a reference near the row's terms: k - r keeps w's digits in k + w
+    logits = (kw - r[:, :, None]) + w[None, :, :, None]  # [B,H,n,D]
+    R = torch.maximum(logits.amax(2), m - r)
     e = torch.exp(logits - R[:, :, None])
-    scale = torch.exp(m - R)  # 0 while nothing has left the window
+    scale = torch.exp(m - r - R)  # 0 while nothing has left the window
     num_o = num * scale + (e * ring_v[:, :, j % W]).sum(2)
     den_o = den * scale + e.sum(2)
     o = torch.sigmoid(q.to(num.dtype)) * num_o / den_o
@@ -597,6 +601,7 @@ def aft_last_row(
     _check_variant_args(variant, pos_bias, window, L, H)
     dtype = compute_dtype(q.dtype)
     logits = k.to(dtype)  # [B,L,H,D]
+    logits = logits - logits.detach().amax(1, keepdim=True)  # cancels in the softmax; keeps w's digits in k + w
     if variant != "simple":
         w = position_bias(variant, pos_bias.to(dtype), window, L, True, rows=slice(L - 1, L))  # [Hw,1,L]
         logits = logits + w[:, 0].T[None, :, :, None]

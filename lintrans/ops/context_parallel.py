@@ -74,9 +74,10 @@ def _group_rank(group, op: str = "context_parallel_linear_attention") -> tuple[o
     return group, rank, dist.get_world_size(group)
 
 
-def _local_state(k, v, phi_k, ld, dtype) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(S [B,H,F,Dv], z [B,H,F], total log-decay [B|1,H] or None) of this rank's tokens from a zero state."""
-    fk = phi_k(k).to(dtype)  # [B,T,H,F]
+def _local_state(k, v, phi_k, named, ld, dtype) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(S [B,H,F,Dv], z [B,H,F], total log-decay [B|1,H] or None) of this rank's tokens from a zero state.
+    A named map (``named``) acts on k in the state dtype, as in ``linear_attention``; a module on k as given."""
+    fk = phi_k(k.to(dtype) if named else k).to(dtype)  # [B,T,H,F]
     with autocast_off(k.device):  # summed in the state dtype under mixed precision too
         if ld is not None:
             L = cumulative(ld)  # [B|1,H,T] float64
@@ -145,7 +146,7 @@ def context_parallel_linear_attention(
     _, phi_k = resolve_feature_map(feature_map)
     # recomputed in backward instead of kept: its phi(k) and copies of v would be T-sized memory per
     # layer (0.6 GB at 16k tokens for 12L-256), the very thing context parallelism is for
-    S, z, A = checkpoint(_local_state, k, v, phi_k, ld, dtype, use_reentrant=False)
+    S, z, A = checkpoint(_local_state, k, v, phi_k, isinstance(feature_map, str), ld, dtype, use_reentrant=False)
     Fd = S.shape[2]
     S0 = None
     if initial_state is not None:

@@ -79,7 +79,8 @@ def cosformer_attention(
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     check_bool("causal", causal)
     check_bool("output_final_state", output_final_state)
-    check_positive_int("chunk_size", chunk_size)  # also where the call has no use for it: a typo shows
+    if chunk_size != "auto":  # as linear_attention takes it; checked where the call has no use for it too
+        check_positive_int("chunk_size", chunk_size)
     check_number("eps", eps, low=0)
     dtype = compute_dtype(q.dtype)
     offset = 0

@@ -246,7 +246,7 @@ def shared_qk_attention(qk: torch.Tensor, v: torch.Tensor, *, causal: bool = Tru
     [B, H, T - start, T] (and j <= i when causal). Computed in float32 (float64 for float64
     inputs), returned in qk's dtype: [B, T - start, H, Dv]. What LSH attention approximates, and
     (with ``lsh_mask``) what it computes."""
-    T, D = qk.shape[1], qk.shape[-1]
+    _, T, _, D, _ = _check_inputs(qk, v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = compute_dtype(qk.dtype)
     q = qk[:, start:].transpose(1, 2).to(dtype)  # [B,H,T-start,D]

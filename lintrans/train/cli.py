@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"train.device={args.device}"] if args.device is not None else [])
     overrides += [f"{key}={value}" for key, value in flags]
     config = args.config
-    given = {o.split("=", 1)[0].strip() for o in overrides}  # section.key[.subkey] the command line sets
-    fine_tune = any(key == "train.init_from" for key in given)
+    try:  # whether the command line starts from weights (an empty value does not)
+        fine_tune = bool(load_config(None, [o for o in overrides if o.split("=", 1)[0].strip() == "train.init_from"])
+                         .train.init_from)
+    except (ValueError, TypeError) as e:
+        print(f"lintrans train: {e}", file=sys.stderr)
+        return 2
     if config is None:
         # the bare command trains something small on the embedded corpus, not GPT-2 124M on a CPU
         config = default_config_path()
@@ -72,15 +76,12 @@ def run(args: argparse.Namespace) -> int:
             print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, "
                   "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
     try:
-        cfg = load_config(config, overrides)
+        # the tiny config's [model] describes its own model: applied to initial weights it would swap a
+        # linear checkpoint to its softmax; with init_from only the command line's model keys apply
+        cfg = load_config(config, overrides, file_model=not (args.config is None and fine_tune))
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"lintrans train: {e}", file=sys.stderr)
         return 2
-    if args.config is None and fine_tune:
-        # the tiny config's model keys describe its own model: applied to the initial weights they would
-        # swap a linear checkpoint to the tiny config's softmax; only what the command line sets applies
-        cfg.model = {k: v for k, v in cfg.model.items() if f"model.{k}" in given
-                     or any(g.startswith(f"model.{k}.") for g in given)}
     if args.print_config:
         from lintrans.config import dump
 

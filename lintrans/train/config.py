@@ -126,7 +126,8 @@ class TrainConfig:
             raise ValueError(f"config key 'train.precision' 'fp16' needs a CUDA device (gradient scaling); "
                              f"train.device is {self.train.device!r}")
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
-        check_attention(gpt)
+        if not (self.train.init_from and "attention" not in self.model):
+            check_attention(gpt)  # else the options are the checkpoint's attention's, checked when it is read
         # with init_from the model is the initial weights' (checked when they are read, in the run's plan)
         if self.train.context_parallel > 1 and not self.train.init_from:
             check_context_parallel(gpt.attention, gpt.block_size, self.train.context_parallel)
@@ -203,9 +204,13 @@ def read_config_file(path) -> dict:
     return read_file(resolve_config_path(path))
 
 
-def load_config(path=None, overrides=()) -> TrainConfig:
-    """Defaults, then the file at ``path`` (if any), then ``overrides`` ("section.key=value" strings)."""
-    cfg = TrainConfig.from_dict(read_config_file(path)) if path is not None else TrainConfig()
+def load_config(path=None, overrides=(), *, file_model: bool = True) -> TrainConfig:
+    """Defaults, then the file at ``path`` (if any; its [model] section only with ``file_model``), then
+    ``overrides`` ("section.key=value" strings)."""
+    data = read_config_file(path) if path is not None else {}
+    if not file_model:
+        data.pop("model", None)
+    cfg = TrainConfig.from_dict(data)
     apply_overrides(cfg, overrides)
     cfg.validate()
     return cfg

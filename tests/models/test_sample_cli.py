@@ -65,7 +65,8 @@ def test_sample_past_the_block_size_and_several_samples(byte_checkpoint, capsys)
 
 
 def test_sample_uses_the_tokenizer_the_checkpoint_records(tmp_path, capsys):
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=300))
+    # a vocabulary as large as GPT-2's: without the record the guess would be gpt2
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=50304))
     save_model(model, tmp_path, extra_config={"tokenizer": "bytes"})
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "3",
                  "--temperature", "0"]) == 0
@@ -77,12 +78,15 @@ def test_sample_uses_the_tokenizer_the_checkpoint_records(tmp_path, capsys):
 def test_sample_finds_the_byte_tokenizer_from_any_path_to_the_checkpoint(tmp_path, capsys, how):
     """--checkpoint DIR/config.json and --hf DIR read the record too; a model without one but too small
     for GPT-2's vocabulary (lintrans pads 257 bytes to 320) is a byte model, not an error."""
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=320))
+    # with a record, a vocabulary as large as GPT-2's: only the record can make it bytes
+    vocab = 320 if how == "no record" else 50304
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=vocab))
     save_model(model, tmp_path, extra_config=None if how == "no record" else {"tokenizer": "bytes"})
     source = {"config file": ["--checkpoint", str(tmp_path / "config.json")],
               "hf folder": ["--hf", str(tmp_path)], "no record": ["--checkpoint", str(tmp_path)]}[how]
     assert main(["sample", *source, "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("hi")
+    ids = model.generate(torch.tensor([list(b"hi")]), 3, temperature=0, vocab_limit=257)[0].tolist()
+    assert capsys.readouterr().out == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace") + "\n"
 
 
 def test_sample_never_draws_a_padding_id(tmp_path, capsys):

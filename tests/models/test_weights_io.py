@@ -279,3 +279,14 @@ def test_bin_weights_are_loaded_safely(tmp_path):
     torch.save({"transformer.wte.weight": Evil()}, tmp_path / "pytorch_model.bin")
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
         load_model(tmp_path)
+
+
+def test_swapping_attention_leaves_out_saved_options_the_new_one_cannot_take(tmp_path):
+    """Options the new mechanism does not have, or has with other values (linear's form="attention"
+    is not a delta-rule form), are left out with a warning; the rest carry over."""
+    saved = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=64, attention="linear",
+                          attention_options={"form": "attention", "chunk_size": 8, "feature_map": "elu"}))
+    save_model(saved, tmp_path)
+    with pytest.warns(UserWarning, match=r"\['feature_map', 'form'\] of 'linear' are not options of 'deltanet'"):
+        loaded = load_model(tmp_path, attention="deltanet")
+    assert loaded.config.attention_options == {"chunk_size": 8}

@@ -177,6 +177,37 @@ def test_local_bias_of_minus_infinity_outside_the_window_is_ignored(causal, band
         torch.testing.assert_close(aft_last_row(q[:, -1], k, v, **kw), o[:, -1])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("variant", ["local", "conv"])
+def test_banded_rows_before_a_huge_late_key_keep_float32_accuracy(variant, causal, monkeypatch, pytorch_simple):
+    """Each row's band logits are taken relative to its own band's largest key: a shift by the
+    sequence's largest key (1e4, last) would push the earlier rows' keys to -1e4 and cost the bias its
+    digits (errors of 2e-4 there)."""
+    monkeypatch.setattr(aft_module, "BANDED_RATIO", 0.0)
+    q, k, v = inputs(1, 40, 2, 4, dtype=torch.float32, seed=7)
+    k[:, -1] += 1e4
+    pos_bias, window = bias_for(variant, 40, 2, per_head=True)
+    kw = dict(variant=variant, pos_bias=pos_bias.float(), window=window, causal=causal)
+    ref = aft_reference(q.double(), k.double(), v.double(), **{**kw, "pos_bias": pos_bias})
+    torch.testing.assert_close(aft(q, k, v, **kw).double(), ref, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("variant", ["local", "conv"])
+def test_decoding_with_keys_of_size_1e4_keeps_float32_accuracy(variant):
+    """The window step and the last row form k - (a nearby key) before adding the bias, as the forward does."""
+    q, k, v = inputs(1, 30, 2, 4, dtype=torch.float32, seed=8)
+    k = k * 3 + 1e4
+    pos_bias, window = bias_for(variant, 30, 2, per_head=True)
+    kw = dict(variant=variant, pos_bias=pos_bias.float(), window=window)
+    ref = aft_reference(q.double(), k.double(), v.double(), **{**kw, "pos_bias": pos_bias})
+    state, outs = aft_window_state(k[:, :5], v[:, :5], **kw), []
+    for t in range(5, 30):
+        o, state = aft_window_step(q[:, t], k[:, t], v[:, t], state, **kw)
+        outs.append(o)
+    torch.testing.assert_close(torch.stack(outs, 1).double(), ref[:, 5:], rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(aft_last_row(q[:, -1], k, v, **kw).double(), ref[:, -1], rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("variant", ["simple", "local"])
 def test_float32_keys_of_size_1e4_keep_the_values_digits(variant, monkeypatch, pytorch_simple):
     """k + log(1 + |v|) in float32 loses log's digits at |k| = 1e4 (ulp 1e-3): the log-space scans

@@ -100,6 +100,15 @@ def _worker(rank, R, port, T_r):
         for gate in (None, "token", "fixed"):
             _check(rank, R, [3 + 2 * r for r in range(R)], feature_map="elu", normalize=True, gate=gate,
                    initial_state=True)
+        # bf16 inputs: the ranks apply a named map in float32, as linear_attention does (in bf16 the
+        # final state was 2e-3 off the one-process one)
+        x, sl = _inputs(8 * R, None), slice(8 * rank, 8 * rank + 8)
+        q, k, v = (x[n].to(torch.bfloat16) for n in ("q", "k", "v"))
+        for fm in ("elu", "based"):
+            _, (S1, _) = linear_attention(q, k, v, feature_map=fm, output_final_state=True)
+            _, (S, _) = context_parallel_linear_attention(q[:, sl], k[:, sl], v[:, sl], feature_map=fm,
+                                                          output_final_state=True)
+            assert ((S - S1).abs().max() / S1.abs().max()).item() < 1e-5, fm
         q = torch.randn(1, 2, 1, 2)
         with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
             context_parallel_linear_attention(q, q, q, group="world")

@@ -70,6 +70,13 @@ def test_low_precision_inputs_keep_their_dtype():
     torch.testing.assert_close(o.float(), cosformer_attention_reference(q, k, v).float(), rtol=0.05, atol=0.05)
 
 
+def test_chunk_size_auto_is_taken():
+    q, k, v = inputs(1, 12, 2, 4, 4)
+    for causal in (True, False):
+        torch.testing.assert_close(cosformer_attention(q, k, v, causal=causal, chunk_size="auto")[0],
+                                   cosformer_attention(q, k, v, causal=causal)[0])
+
+
 @pytest.mark.parametrize("kw, err, match", [
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(max_len=0), ValueError, "max_len must be an int >= 1"),

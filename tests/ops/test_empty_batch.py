@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lintrans.ops import (aft, bigbird_attention, cosformer_attention, delta_rule, linear_attention, lsh_attention,
-                          sliding_window_attention)
+                          shared_qk_attention, sliding_window_attention)
 
 T, H, D = 6, 2, 4
 
@@ -48,7 +48,7 @@ def test_no_heads_is_an_empty_output_too():
 
 
 @pytest.mark.parametrize("dims", [(0, 4), (4, 0)], ids=["Dk=0", "Dv=0"])
-@pytest.mark.parametrize("name", ["linear chunked", "delta rule", "sliding window", "bigbird", "lsh"])
+@pytest.mark.parametrize("name", ["linear chunked", "delta rule", "sliding window", "bigbird", "lsh", "shared qk"])
 def test_a_zero_head_dimension_is_a_clear_error(name, dims):
     Dk, Dv = dims
     q, k, v = torch.randn(1, T, H, Dk), torch.randn(1, T, H, Dk), torch.randn(1, T, H, Dv)
@@ -57,6 +57,7 @@ def test_a_zero_head_dimension_is_a_clear_error(name, dims):
             "delta rule": lambda: delta_rule(q, k, v, ones),
             "sliding window": lambda: sliding_window_attention(q, k, v, window=3),
             "bigbird": lambda: bigbird_attention(q, k, v, block_size=2),
-            "lsh": lambda: lsh_attention(q, v, n_buckets=2)}[name]
+            "lsh": lambda: lsh_attention(q, v, n_buckets=2),
+            "shared qk": lambda: shared_qk_attention(q, v)}[name]
     with pytest.raises(ValueError, match="head dimensions"):
         call()

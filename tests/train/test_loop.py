@@ -343,6 +343,13 @@ def test_bare_cli_init_from_keeps_the_checkpoints_attention(tiny_config, capsys)
     assert "the model is train.init_from's" in capsys.readouterr().err
     assert main(["train", *common, f"--set=train.out_dir={out}-softmax", "--model.attention", "softmax"]) == 0
     assert load_model(out + "-softmax/checkpoint").config.attention == "softmax"
+    # an option of the checkpoint's attention is checked against it, not against the tiny config's softmax
+    assert main(["train", *common, f"--set=train.out_dir={out}-chunk", "--set=model.attention_options.chunk_size=8"]) == 0
+    assert load_model(out + "-chunk/checkpoint").config.attention_options == {"chunk_size": 8}
+    # an empty init_from starts from nothing: the tiny config's model, not GPTConfig's GPT-2 defaults
+    capsys.readouterr()
+    assert main(["train", "--train.init_from", "", "--print-config"]) == 0
+    assert "n_layer: 4" in capsys.readouterr().out
 
 
 def test_folders_that_cannot_be_created_name_their_key(tiny_config, tmp_path):
