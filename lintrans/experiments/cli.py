@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,14 @@ def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] =
     return dataclasses.asdict(settings)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as an interrupt."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -131,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
     mod = importlib.import_module(f"lintrans.experiments.{args.study}")
     out = None
+    # SIGTERM stops a study as Ctrl-C does: its worker processes stopped, finished runs kept
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
         out = out_folder(args.study, opts)
@@ -163,10 +174,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"lintrans experiment: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(f"lintrans experiment: interrupted; finished runs are kept in {out / 'runs'}, "
               "the same command resumes", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(e, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     trained, reused = record.pop("runs_trained", 0), record.pop("runs_reused", 0)
     if not opts.plot_only:
         record = json.loads(write_record(out, args.study, record).read_text())

@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -137,6 +138,15 @@ def _init_worker(progress_queue, threads: int) -> None:
     global _QUEUE
     _QUEUE = progress_queue
     torch.set_num_threads(threads)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose study process died (SIGKILL: no shutdown reached it) exits instead of training
+    its queued runs unseen, beside the runs a rerun of the same command would train again."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _queue_report(n: int) -> None:
@@ -245,6 +255,10 @@ class Runner:
                 self._drain(progress_queue, bar)
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
+                if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                    # runs in flight are lost either way; stopping them now lets the process exit now
+                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                        proc.terminate()
                 raise
 
     @staticmethod

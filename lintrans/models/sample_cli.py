@@ -39,6 +39,8 @@ def _saved_tokenizer(checkpoint) -> str | None:
     if not checkpoint:
         return None
     path = Path(checkpoint)
+    if not path.exists() and Path(str(path) + ".old").is_dir():
+        path = Path(str(path) + ".old")  # a save stopped between its two renames: what load_model reads too
     path = path / "config.json" if path.is_dir() else path
     if path.name != "config.json" or not path.is_file():
         return None

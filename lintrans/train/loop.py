@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import sys
 import time
@@ -82,6 +83,12 @@ class MetricsLog:
         # rewritten atomically: a kill here keeps the old history rather than half of it
         atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
         atomic_write_text(self.csv, ",".join(self.COLUMNS) + "\n" + "".join(self._csv_line(r) for r in rows))
+        log = out_dir / "train.log"  # its evaluation lines after the checkpoint go too: they are trained again
+        if log.is_file():
+            lines = log.read_text().splitlines(keepends=True)
+            kept = [ln for ln in lines if not ((m := re.match(r"step (\d+)/", ln)) and int(m.group(1)) > start_step)]
+            if len(kept) != len(lines):
+                atomic_write_text(log, "".join(kept))
 
     @staticmethod
     def _read(path: Path, say) -> list:

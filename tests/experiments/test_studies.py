@@ -456,3 +456,34 @@ def test_max_runs_stops_a_study_in_pieces_that_add_up_to_the_whole(tmp_path, cap
         assert a["final_val_loss"] == pytest.approx(b["final_val_loss"], rel=1e-4)
     assert main(["experiment", "context", "--quick", "--max-runs", "0", "--out", str(tmp_path)]) == 2
     assert "--max-runs" in capsys.readouterr().err
+
+
+def test_sigterm_stops_a_study_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    """SIGTERM to the study's process (a scheduler, `kill`) is an interrupt: its workers are stopped,
+    finished runs kept, exit status 128 + 15, and the previous handler is back afterwards."""
+    import os
+    import signal
+    import time
+
+    import lintrans.experiments.regression as regression
+
+    def run_study(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM was not handled")
+
+    monkeypatch.setattr(regression, "run_study", run_study)
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_cli("regression", tmp_path) == 128 + signal.SIGTERM
+    assert "interrupted; finished runs are kept" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_worker_exits_when_its_study_process_dies():
+    """Its watchdog sees another parent (the study was SIGKILLed) and exits, instead of training the
+    runs queued to it unseen, which a rerun of the command would train again."""
+    import subprocess
+    import sys
+
+    code = "from lintrans.experiments.study import _exit_with_parent; _exit_with_parent(-1)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1

@@ -152,6 +152,17 @@ def test_sample_falls_back_to_checkpoint_old_and_warns_on_swapped_attention(tmp_
         assert main([*args, "--attention", "linear"]) == 0
 
 
+def test_sample_from_checkpoint_old_reads_its_tokenizer_too(tmp_path, capsys):
+    """The weights come from checkpoint.old, so must the tokenizer its config.json records (with a
+    vocabulary as large as GPT-2's, a guess would be gpt2)."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=50304))
+    save_model(model, tmp_path / "checkpoint.old", extra_config={"tokenizer": "bytes"})
+    assert main(["sample", "--checkpoint", str(tmp_path / "checkpoint"), "--prompt", "hi", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    ids = model.generate(torch.tensor([list(b"hi")]), 3, temperature=0, vocab_limit=257)[0].tolist()
+    assert capsys.readouterr().out == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace") + "\n"
+
+
 def test_cli_warnings_are_one_line_while_a_command_runs(tmp_path, monkeypatch):
     import warnings
 

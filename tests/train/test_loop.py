@@ -360,6 +360,19 @@ def test_folders_that_cannot_be_created_name_their_key(tiny_config, tmp_path):
         train(tiny_config(**{"data.cache_dir": str(tmp_path / "file" / "cache")}))
 
 
+def test_resume_drops_train_log_lines_after_the_checkpoint(tiny_config):
+    """A run killed after an evaluation it had not checkpointed trains those steps again: their old
+    train.log lines go, as their metrics rows do, so each evaluation has one line."""
+    first = train(tiny_config(**{"train.stop_after_steps": 3}))
+    log = first.out_dir / "train.log"
+    with open(log, "a") as f:
+        f.write("step 6/6: train loss 9.9, val loss 9.9 (from the killed process)\n")
+    train(tiny_config())
+    lines = log.read_text().splitlines()
+    assert not any("killed process" in ln for ln in lines)
+    assert sum(ln.startswith("step 6/6") for ln in lines) == sum(ln.startswith("step 3/6") for ln in lines) == 1
+
+
 def test_invalid_attention_is_reported_as_such_when_a_run_folder_exists(tiny_config):
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="attention must be one of .* got 'flash'"):
