@@ -14,6 +14,7 @@ import importlib
 import re
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -141,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     mod = importlib.import_module(f"lintrans.experiments.{args.study}")
     out = None
     # SIGTERM stops a study as Ctrl-C does: its worker processes stopped, finished runs kept
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
         out = out_folder(args.study, opts)
@@ -179,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
               "the same command resumes", file=sys.stderr)
         return 128 + signal.SIGTERM if isinstance(e, _Terminated) else 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     trained, reused = record.pop("runs_trained", 0), record.pop("runs_reused", 0)
     if not opts.plot_only:
         record = json.loads(write_record(out, args.study, record).read_text())
