@@ -134,11 +134,13 @@ def run_threads(jobs: int) -> int:
     return torch.get_num_threads() if jobs == 1 else max(1, cpu_cores() // jobs)
 
 
-def _init_worker(progress_queue, threads: int) -> None:
+def _init_worker(progress_queue, threads: int, parent: int) -> None:
     global _QUEUE
     _QUEUE = progress_queue
     torch.set_num_threads(threads)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # the study's pid from the study itself: read here, a study killed while this worker started would
+    # already be gone (the parent then init's)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -243,7 +245,7 @@ class Runner:
         threads = run_threads(self.jobs)
         folder = str(self.store.folder.parent)
         with ProcessPoolExecutor(self.jobs, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(progress_queue, threads)) as pool:
+                                 initargs=(progress_queue, threads, os.getpid())) as pool:
             try:
                 futures = {pool.submit(_worker, self.fn_name, s, folder, self.units(s), self.device) for s in specs}
                 while futures:
@@ -254,10 +256,11 @@ class Runner:
                         self.trained += 1
                 self._drain(progress_queue, bar)
             except BaseException:
+                workers = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
                 pool.shutdown(wait=False, cancel_futures=True)
                 if isinstance(sys.exc_info()[1], KeyboardInterrupt):
                     # runs in flight are lost either way; stopping them now lets the process exit now
-                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                    for proc in workers:
                         proc.terminate()
                 raise
 

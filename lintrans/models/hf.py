@@ -134,8 +134,10 @@ def _options_that_carry_over(config: GPTConfig, attention: str) -> dict:
 
     taken = {f.name for f in dataclasses.fields(attention_options(attention))}
     kept = {k: v for k, v in config.attention_options.items() if k in taken}
-    # a name both take may hold a value only the old one accepts (linear's form="attention")
-    kept = {k: v for k, v in kept.items() if _layer_builds(config, attention, {k: v})}
+    # a name both take may hold a value only the old one accepts (linear's form="attention"); options
+    # that work only together (a feature map and its options) are tried together first
+    if not _layer_builds(config, attention, kept):
+        kept = {k: v for k, v in kept.items() if _layer_builds(config, attention, {k: v})}
     dropped = sorted(set(config.attention_options) - set(kept))
     if dropped:
         warnings.warn(f"attention_options {dropped} of {config.attention!r} are not options of {attention!r} (or "

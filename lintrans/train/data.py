@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -241,9 +240,10 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
         entry.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # name the key, not only the path
         raise ValueError(f"data.cache_dir {str(entry.parent)!r} cannot be created: {e.strerror or e}") from None
-    _remove_abandoned(entry)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would become the cache entry's mode
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # a folder's usual mode: mkdtemp's 0700 would become the entry's
     n_tokens = n_docs = 0
     try:
         with open(tmp / "tokens.bin", "wb") as f, tqdm(
@@ -271,24 +271,6 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-# a temporary folder of the same entry untouched this long was left by a killed process (one that is
-# still tokenising appends to its tokens.bin far more often)
-ABANDONED_AFTER_S = 600
-
-
-def _remove_abandoned(entry: Path) -> None:
-    """Remove temporary folders of ``entry`` that a killed tokenisation left (SIGKILL skips the
-    ``finally`` that removes them): one per kill, as large as the corpus's tokens."""
-    now = time.time()
-    for tmp in entry.parent.glob(entry.name + ".tmp-*"):
-        try:
-            newest = max([p.stat().st_mtime for p in tmp.iterdir()] + [tmp.stat().st_mtime])
-        except OSError:
-            continue  # removed meanwhile
-        if now - newest > ABANDONED_AFTER_S:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _batched(items, n):

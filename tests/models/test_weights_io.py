@@ -1,6 +1,8 @@
 import json
 import os
 
+import warnings
+
 import pytest
 import torch
 
@@ -290,3 +292,14 @@ def test_swapping_attention_leaves_out_saved_options_the_new_one_cannot_take(tmp
     with pytest.warns(UserWarning, match=r"\['feature_map', 'form'\] of 'linear' are not options of 'deltanet'"):
         loaded = load_model(tmp_path, attention="deltanet")
     assert loaded.config.attention_options == {"chunk_size": 8}
+
+
+def test_swapping_attention_keeps_options_that_work_only_together(tmp_path):
+    """A feature map and its options carry over as a pair: alone, neither builds."""
+    saved = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=64, attention="linear",
+                          attention_options={"feature_map": "performer", "feature_map_options": {"num_features": 8}}))
+    save_model(saved, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load_model(tmp_path, attention="retention")
+    assert loaded.config.attention_options == {"feature_map": "performer", "feature_map_options": {"num_features": 8}}

@@ -192,6 +192,18 @@ def test_banded_rows_before_a_huge_late_key_keep_float32_accuracy(variant, causa
     torch.testing.assert_close(aft(q, k, v, **kw).double(), ref, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("variant", ["local", "conv"])
+def test_banded_path_takes_minus_infinity_keys(variant, causal, monkeypatch):
+    """A band of -inf keys only has no finite largest key to take logits relative to: no NaN."""
+    monkeypatch.setattr(aft_module, "BANDED_RATIO", 0.0)
+    q, k, v = inputs(1, 12, 2, 3, seed=9)
+    k[:, 4:8] = float("-inf")
+    pos_bias, window = bias_for(variant, 12, 2, per_head=True, kernel=3)
+    kw = dict(variant=variant, pos_bias=pos_bias, window=None if variant == "conv" else 2, causal=causal)
+    torch.testing.assert_close(aft(q, k, v, **kw), aft_reference(q, k, v, **kw))
+
+
 @pytest.mark.parametrize("variant", ["local", "conv"])
 def test_decoding_with_keys_of_size_1e4_keeps_float32_accuracy(variant):
     """The window step and the last row form k - (a nearby key) before adding the bias, as the forward does."""

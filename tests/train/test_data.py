@@ -37,23 +37,14 @@ def test_cache_is_reused_and_keyed_by_content(tmp_path, monkeypatch):
     assert len(calls) == 1 and d3.meta["cache"] != d1.meta["cache"]
 
 
-def test_tokenising_removes_temporary_folders_a_killed_process_left(tmp_path):
-    """SIGKILL skips the cleanup of the temporary folder: the next tokenisation of the same entry
-    removes those untouched for ABANDONED_AFTER_S, and leaves a recent one (a live process's)."""
+def test_a_cache_entry_has_a_folders_usual_mode(tmp_path):
+    """Not mkdtemp's 0700: what the umask gives any new folder."""
     f = tmp_path / "a.txt"
     f.write_text("some text to tokenise")
+    umask = os.umask(0)
+    os.umask(umask)
     entry = D.Path(prepare(str(f), tmp_path / "c").meta["cache"])
-    D.shutil.rmtree(entry)  # as if the first run had been killed before its rename
-    old, live = entry.parent / (entry.name + ".tmp-old"), entry.parent / (entry.name + ".tmp-live")
-    for folder in (old, live):
-        folder.mkdir()
-        (folder / "tokens.bin").write_bytes(b"x" * 10)
-    stale = D.time.time() - D.ABANDONED_AFTER_S - 60
-    os.utime(old / "tokens.bin", (stale, stale))
-    os.utime(old, (stale, stale))
-    d = prepare(str(f), tmp_path / "c")
-    assert D.Path(d.meta["cache"]) == entry and not old.exists() and live.exists()
-    assert (entry.stat().st_mode & 0o777) == 0o755
+    assert (entry.stat().st_mode & 0o777) == 0o777 & ~umask
 
 
 def test_folder_and_glob_sources(tmp_path):
