@@ -148,11 +148,10 @@ def _options_that_carry_over(config: GPTConfig, attention: str) -> dict:
 
 def _layer_builds(config: GPTConfig, attention: str, options: dict) -> bool:
     """Whether one layer of ``attention`` with ``options`` builds (on the meta device: no memory)."""
-    from lintrans.nn.registry import get_attention
+    from lintrans.nn.registry import check_attention
 
     try:
-        with torch.device("meta"):
-            get_attention(attention)(config.replace(attention=attention, attention_options=options))
+        check_attention(config.replace(attention=attention, attention_options=options))
     except (ValueError, TypeError):
         return False
     return True

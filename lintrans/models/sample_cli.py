@@ -70,14 +70,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"lintrans sample: {e}", file=sys.stderr)
         return 2
     model.to(args.device).eval()
-    from lintrans.tokenizer import GPT2Tokenizer
+    from lintrans.tokenizer import GPT2Tokenizer, get_tokenizer
 
     # a model too small for GPT-2's vocabulary is a byte model (lintrans pads 257 bytes to 320)
     name = args.tokenizer or _saved_tokenizer(args.checkpoint or args.hf) or (
         "bytes" if model.config.vocab_size < GPT2Tokenizer.vocab_size else "gpt2"
     )
-    from lintrans.tokenizer import get_tokenizer
-
     tok = get_tokenizer(name)
     if tok.vocab_size > model.config.vocab_size:
         print(f"lintrans sample: tokenizer {name!r} has {tok.vocab_size} tokens but the model only "

@@ -62,6 +62,16 @@ def attention_options(name: str) -> type:
     return get_attention(name).Options
 
 
+def check_attention(config) -> None:
+    """The attention name and options of a GPTConfig, checked the way building the model checks them:
+    one layer built on the meta device (no memory, no time). ValueError/TypeError as the model's."""
+    import torch
+
+    layer = get_attention(config.attention)
+    with torch.device("meta"):
+        layer(config)
+
+
 def context_parallel_attention() -> list[str]:
     """Mechanisms that can split a sequence over processes (their class sets ``CONTEXT_PARALLEL``)."""
     _load_providers()

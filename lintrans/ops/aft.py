@@ -188,6 +188,11 @@ def _aft_causal_chunked(k, v, logw):
     return torch.cat(outs, dim=2)
 
 
+def _finite(ref):
+    """A reference to subtract from logits, 0 where it is -inf (only -inf keys: any finite one does)."""
+    return torch.where(torch.isfinite(ref), ref, 0.0)
+
+
 def _wide(x):
     """x in float64 where the device has it: k + log(a) keeps log(a)'s digits only while ulp(k) is
     small, about 1e-3 at |k| = 1e4 in float32 against 2e-12 in float64."""
@@ -229,8 +234,7 @@ def _aft_banded(k, v, band_w, back: int, fwd: int, causal: bool):
     vb = F.pad(v, (0, 0, back, fwd)).unfold(2, width, 1).transpose(-1, -2)  # [B,H,T,W,D]
     # each row's logits relative to its band's largest key r, so
     # that k - r is formed before the bias is added: at |k| = 1e4, k + w in float32 loses w's digits
-    r = kb.detach().amax(3)  # [B,H,T,D]
-    r = torch.where(torch.isfinite(r), r, 0.0)  # a band of -inf keys only: any finite reference
+    r = _finite(kb.detach().amax(3))  # [B,H,T,D]
     logits = (kb - r[:, :, :, None]) + band_w[None, :, :, :, None]  # [B,H,T,W,D]; -inf outside 0..T-1
     outside = [tuple(_shift(x, back + 1) for x in _log_sums(k, v))]  # keys j < t - back
     if not causal:
@@ -573,8 +577,7 @@ def aft_window_step(
     else:
         w = (bias if bias.dim() == 3 else bias[None])[:, p, j]  # [Hw, n]
     kw = ring_k[:, :, j % W]  # [B,H,n,D]
-    r = torch.maximum(kw.amax(2), m)  # a reference near the row's terms: k - r keeps w's digits in k + w
-    r = torch.where(torch.isfinite(r), r, 0.0)  # only -inf keys: any finite reference
+    r = _finite(torch.maximum(kw.amax(2), m))  # near the row's terms: k - r keeps w's digits in k + w
     logits = (kw - r[:, :, None]) + w[None, :, :, None]  # [B,H,n,D]
     R = torch.maximum(logits.amax(2), m - r)
     e = torch.exp(logits - R[:, :, None])
@@ -603,8 +606,7 @@ def aft_last_row(
     _check_variant_args(variant, pos_bias, window, L, H)
     dtype = compute_dtype(q.dtype)
     logits = k.to(dtype)  # [B,L,H,D]
-    top = logits.detach().amax(1, keepdim=True)
-    logits = logits - torch.where(torch.isfinite(top), top, 0.0)  # cancels in the softmax; keeps w's digits in k + w
+    logits = logits - _finite(logits.detach().amax(1, keepdim=True))  # cancels in the softmax; keeps w's digits
     if variant != "simple":
         w = position_bias(variant, pos_bias.to(dtype), window, L, True, rows=slice(L - 1, L))  # [Hw,1,L]
         logits = logits + w[:, 0].T[None, :, :, None]

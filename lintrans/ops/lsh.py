@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_bool, check_choice, check_number, check_tensor, compute_dtype, warn_if_head_first
+from .validation import (check_bool, check_choice, check_head_dims, check_number, check_tensor, compute_dtype,
+                         warn_if_head_first)
 
 SELF_SCORE = -1e5  # a token's score with itself (the paper's 10^5 penalty)
 LOOKBACKS = ("chunk", "window")
@@ -64,9 +65,7 @@ def _check_inputs(qk, v) -> tuple[int, int, int, int, int]:
     B, T, H, D = qk.shape
     if T < 1:
         raise ValueError("sequence length T must be at least 1")
-    if D < 1 or v.shape[-1] < 1:
-        raise ValueError(f"the head dimensions (the last of [B, T, H, D]) must be at least 1, got qk {tuple(qk.shape)} "
-                         f"and v {tuple(v.shape)}")
+    check_head_dims("[B, T, H, D]", qk=qk, v=v)
     warn_if_head_first("qk", qk)
     return B, T, H, D, v.shape[-1]
 
@@ -141,14 +140,13 @@ def lsh_mask(buckets: torch.Tensor, *, chunk_size: int, causal: bool = True, loo
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B, H, L, E], idx [B, H, ...] of positions < L -> [B, H, ..., E]."""
     B, H, _, E = x.shape
-    flat = idx.reshape(B, H, math.prod(idx.shape[2:]))  # not -1: B or H may be 0
+    flat = idx.flatten(2)  # not reshape(B, H, -1): B or H may be 0
     return x.gather(2, flat[..., None].expand(-1, -1, -1, E)).reshape(*idx.shape, E)
 
 
 def _take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table [B, H, L], idx [B, H, ...] -> table values at idx, [B, H, ...]."""
-    B, H = table.shape[:2]
-    return table.gather(2, idx.reshape(B, H, math.prod(idx.shape[2:]))).reshape(idx.shape)
+    return table.gather(2, idx.flatten(2)).reshape(idx.shape)
 
 
 def lsh_attention(

@@ -82,6 +82,14 @@ def warn_if_head_first(name: str, x: torch.Tensor) -> None:
                       f"({name}.transpose(1, 2) converts)", UserWarning, stacklevel=stacklevel)
 
 
+def check_head_dims(layout: str, **tensors) -> None:
+    """Every tensor's last (head) dimension at least 1: an empty head is no attention, and the ops'
+    scale (D ** -0.5) and BLAS calls would fail obscurely on it."""
+    if any(x.shape[-1] < 1 for x in tensors.values()):
+        got = " and ".join(f"{name} {tuple(x.shape)}" for name, x in tensors.items())
+        raise ValueError(f"the head dimensions (the last of {layout}) must be at least 1, got {got}")
+
+
 def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, int, int]:
     """Validate q, k: [B, T, H, Dk] and v: [B, T, H, Dv]; returns (B, T, H, Dk, Dv)."""
     ndim = layout.count(",") + 1
@@ -98,9 +106,7 @@ def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, 
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[-1] < 1 or v.shape[-1] < 1:
-        raise ValueError(f"the head dimensions (the last of {layout}) must be at least 1, got q {tuple(q.shape)} "
-                         f"and v {tuple(v.shape)}")
+    check_head_dims(layout, q=q, v=v)
     if ndim == 4:
         B, T, H, Dk = q.shape
         if T < 1:

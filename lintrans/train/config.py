@@ -127,7 +127,9 @@ class TrainConfig:
                              f"train.device is {self.train.device!r}")
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
         if not (self.train.init_from and "attention" not in self.model):
-            check_attention(gpt)  # else the options are the checkpoint's attention's, checked when it is read
+            from lintrans.nn.registry import check_attention
+
+            check_attention(gpt)  # so --print-config fails like a run  # else the options are the checkpoint's attention's, checked when it is read
         # with init_from the model is the initial weights' (checked when they are read, in the run's plan)
         if self.train.context_parallel > 1 and not self.train.init_from:
             check_context_parallel(gpt.attention, gpt.block_size, self.train.context_parallel)
@@ -137,18 +139,6 @@ class TrainConfig:
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model config, with the vocabulary taken from the tokenizer unless set explicitly."""
         return GPTConfig.from_dict({"vocab_size": vocab_size, **self.model})
-
-
-def check_attention(gpt: GPTConfig) -> None:
-    """The attention name and its options, checked the way building the model checks them (one
-    layer built on the meta device: no memory, no time), so --print-config fails like a run."""
-    import torch
-
-    from lintrans.nn.registry import get_attention
-
-    layer = get_attention(gpt.attention)
-    with torch.device("meta"):
-        layer(gpt)
 
 
 def check_fsdp(gpt: GPTConfig) -> None:
