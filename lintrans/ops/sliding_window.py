@@ -67,7 +67,9 @@ def global_positions(global_tokens, T: Optional[int], device=None) -> Optional[t
         idx = global_tokens.nonzero().flatten()
     else:
         try:
-            idx = torch.as_tensor(global_tokens)
+            # positions from a list live on the CPU, also under a `torch.device("meta")` context
+            # (a config check builds layers there)
+            idx = global_tokens if isinstance(global_tokens, torch.Tensor) else torch.as_tensor(global_tokens, device="cpu")
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(
                 f"global_tokens must be a bool mask [T] or a list of int positions, got {type(global_tokens).__name__}"

@@ -17,8 +17,11 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -240,7 +243,9 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
         entry.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # name the key, not only the path
         raise ValueError(f"data.cache_dir {str(entry.parent)!r} cannot be created: {e.strerror or e}") from None
-    tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
+    _remove_abandoned(entry.parent)
+    # the owner in the name (host, pid) lets a later run tell an abandoned folder from a live one
+    tmp = Path(tempfile.mkdtemp(prefix=f"{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=entry.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # a folder's usual mode: mkdtemp's 0700 would become the entry's
@@ -271,6 +276,39 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_TMP_NAME = re.compile(r"^[0-9a-f]{20}\.tmp-(?P<host>.+)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
+ABANDONED_AFTER_S = 60
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Remove the temporary folders of tokenisations killed before they finished (kill -9, a lost
+    machine): those made on this host by a process that no longer runs, untouched for a minute.
+    Anything else (another host's, a live process's, a recent one, a name we did not make) stays."""
+    if os.name != "posix":
+        return
+    host, now = socket.gethostname(), time.time()
+    for path in folder.glob("*.tmp-*"):
+        m = _TMP_NAME.match(path.name)
+        if not m or m["host"] != host or _pid_alive(int(m["pid"])):
+            continue
+        try:
+            newest = max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
+        except OSError:  # removed meanwhile
+            continue
+        if now - newest >= ABANDONED_AFTER_S:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (PermissionError), or cannot tell: keep
+        return True
+    return True
 
 
 def _batched(items, n):

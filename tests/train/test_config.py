@@ -151,6 +151,16 @@ def test_print_config_fails_like_a_run(override, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_print_config_takes_options_that_build_tensors(capsys):
+    # the config check builds a layer on the meta device; global_tokens used to become a meta tensor
+    # there and fail on .item() although the run itself builds
+    argv = ["train", "--model.attention", "sliding-window", "--set", "model.attention_options.global_tokens=[0, 3]"]
+    assert main([*argv, "--print-config"]) == 0
+    assert "global_tokens" in capsys.readouterr().out
+    assert main([*argv[:-1], "model.attention_options.global_tokens=[-1]", "--print-config"]) == 2
+    assert "global_tokens positions must lie in" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("attention, block, message", [
     ("softmax", 64, "attention 'softmax' cannot do .*model.attention in .*'gated-linear', 'linear', 'none', 'retention'"),
     ("sliding-window", 64, "attention 'sliding-window' cannot do"),

@@ -47,6 +47,35 @@ def test_a_cache_entry_has_a_folders_usual_mode(tmp_path):
     assert (entry.stat().st_mode & 0o777) == 0o777 & ~umask
 
 
+def test_a_killed_tokenisations_folder_is_removed_by_the_next_and_nothing_else(tmp_path):
+    import socket
+    import subprocess
+
+    cache = tmp_path / "c"
+    cache.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    host, key, old = socket.gethostname(), "0" * 20, os.path.getmtime(tmp_path) - 3600
+    folders = {
+        "killed": f"{key}.tmp-{host}-{gone.pid}-abc_1",
+        "live": f"{key}.tmp-{host}-{os.getpid()}-abc_2",
+        "other host": f"{key}.tmp-{host}x-{gone.pid}-abc_3",
+        "not ours": f"{key}.tmp-somefolder",
+        "killed, but written to a moment ago": f"{'1' * 20}.tmp-{host}-{gone.pid}-abc_4",
+    }
+    for what, name in folders.items():
+        (cache / name).mkdir()
+        (cache / name / "tokens.bin").write_bytes(b"0")
+        if "moment ago" not in what:
+            for p in (cache / name / "tokens.bin", cache / name):
+                os.utime(p, (old, old))
+    f = tmp_path / "a.txt"
+    f.write_text("some text to tokenise")
+    entry = D.Path(prepare(str(f), cache).meta["cache"])
+    left = {p.name for p in cache.iterdir()}
+    assert left == {entry.name} | set(folders.values()) - {folders["killed"]}
+
+
 def test_folder_and_glob_sources(tmp_path):
     root = tmp_path / "docs"
     (root / "sub").mkdir(parents=True)
