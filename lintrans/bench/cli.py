@@ -218,10 +218,10 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
     print("time per step, ms (s where marked):")
     print(table(rows, "time_s"))
     if any(r.get("peak_bytes") for r in rows):
-        print("peak memory above the start of the step (MiB; prefill for generate):")
+        print("peak memory above the start of the step (prefill for generate):")
         print(table(rows, "peak_bytes"))
     if any(r.get("cache_bytes") for r in rows):
-        print("cache kept for decoding (MiB):")
+        print("cache kept for decoding:")
         print(table(rows, "cache_bytes"))
     for line in lines:
         print("headline:", line)

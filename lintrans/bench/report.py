@@ -18,12 +18,12 @@ def _fmt(row: Optional[dict], key: str) -> str:
     if v is None:
         return "-"
     if key.endswith("bytes"):
-        return f"{v / 2**20:.1f}M"
+        return f"{v / 2**20:.1f} MiB" if v < 2**30 else f"{v / 2**30:.2f} GiB"
     return f"{v * 1e3:.1f}" if v < 10 else f"{v:.1f}s"
 
 
 def table(rows: list[dict], key: str = "time_s") -> str:
-    """Series down, T across; times in ms (seconds marked 's'), bytes in MiB."""
+    """Series down, T across; times in ms (seconds marked 's'), bytes in MiB or GiB."""
     series = list(dict.fromkeys(r["series"] for r in rows))
     Ts = sorted({r["T"] for r in rows})
     cell = {(r["series"], r["T"]): r for r in rows}

@@ -5,7 +5,7 @@ import pytest
 
 from lintrans.bench import measure
 from lintrans.bench.measure import Caps, sweep
-from lintrans.bench.report import speedup, table, write_results
+from lintrans.bench.report import markdown_table, speedup, table, write_results
 
 
 @pytest.fixture
@@ -71,6 +71,8 @@ def test_speedup_headline_and_files(tmp_path):
     assert s["faster_from_T"] == 512 and s["longest_common_T"] == 1024 and s["speedup_at_longest"] == 4.0
     assert s["slow_stopped"] == (2048, "time cap") and s["fast_longest_T"] == 2048
     assert "time cap" in table(rows)
+    assert "1.0 MiB" in table(rows, "peak_bytes") and "1.0 MiB" in markdown_table(rows, "peak_bytes")
+    assert "3.00 GiB" in table([{**rows[0], "peak_bytes": 3 * 2**30}], "peak_bytes")
     paths = write_results(tmp_path, "x", rows, {"machine": {"cpu": "test"}, "headline": "h"})
     assert json.loads(paths["json"].read_text())["rows"][0]["series"] == "soft"
     from lintrans.bench.plots import plot_sweep
