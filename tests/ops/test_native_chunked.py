@@ -109,6 +109,22 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [native.LOCK_NAME]  # no half-written library left behind
 
 
+def test_a_plain_process_does_not_load_the_compiler():
+    """torch._dynamo takes as long to import as torch itself: importing lintrans and running its
+    kernels must not load it (the kernels' graph break for torch.compile is made only once it is)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, lintrans.ops, lintrans.nn, lintrans.models\n"
+            "from lintrans.ops import linear_attention, delta_rule, aft\n"
+            "q = torch.randn(1, 9, 2, 4, requires_grad=True)\n"
+            "linear_attention(q, q, q, chunk_size=4)[0].sum().backward()\n"
+            "delta_rule(q, q, q, torch.rand(1, 9, 2))[0].sum().backward()\n"
+            "aft(q, q, q, variant='simple').sum().backward()\n"
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 @needs_native
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):

@@ -240,11 +240,30 @@ def open_library(verbose: bool = False) -> ctypes.CDLL:
     return lib
 
 
+def eager_only(fn):
+    """``torch.compiler.disable(fn)`` (torch.compile runs ``fn`` eagerly, a graph break: it cannot trace
+    a ctypes call), made only once torch._dynamo is loaded. Decorating at import would load it: as
+    long again as importing torch, for every process, though only a compiling one needs it."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:  # then nothing can be compiling
+            return fn(*args, **kwargs)
+        disabled = fn.__dict__.get("_eager_only")
+        if disabled is None:
+            import torch._dynamo
+
+            disabled = fn._eager_only = torch._dynamo.disable(fn, wrapping=False)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 class LayoutError(RuntimeError):
     """A ctypes argument struct disagrees with the C side's (the bindings and the sources out of step)."""
 
 
-@torch.compiler.disable  # found once, outside any graph torch.compile traces
+@eager_only  # found once, outside any graph torch.compile traces
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, building it on first use; None when off or unavailable (warned once)."""
     global _lib, _tried

@@ -5,6 +5,7 @@ import ctypes
 
 import torch
 
+from . import eager_only
 from .binding import I3, P, call, empty, last_contiguous, ptr, require, takes
 
 # steps between the carried sums forward saves for backward, which recomputes the steps between
@@ -42,7 +43,7 @@ def _args(*xs: torch.Tensor) -> AftArgs:
 
 
 # torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break), as chunked.py's
-@torch.compiler.disable
+@eager_only
 def forward(q, k, v, save: bool):
     """(o [B, T, H, D] contiguous, ckpt): ckpt, for backward (None unless ``save``), holds the carried
     sums every CHECKPOINT_STEPS steps, float64 [ncp, 3, B * H * D] (the kernel carries them in double)."""
@@ -56,7 +57,7 @@ def forward(q, k, v, save: bool):
     return o, ckpt
 
 
-@torch.compiler.disable
+@eager_only
 def backward(q, k, v, ckpt, do):
     """(dq, dk, dv), each [B, T, H, D] contiguous; ckpt from forward (with the same CHECKPOINT_STEPS)."""
     q, k, v, do = map(last_contiguous, (q, k, v, do.to(q.dtype)))

@@ -5,6 +5,7 @@ import ctypes
 
 import torch
 
+from . import eager_only
 from .binding import I3, P, call, empty, last_contiguous, ptr, require, strides, takes
 
 # named feature maps the kernel applies itself (the codes of chunked.cpp's Phi)
@@ -55,7 +56,7 @@ def _args(q, k, v, ld, chunk, phi, normalize, scale, eps) -> ChunkedArgs:
 
 
 # torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break)
-@torch.compiler.disable
+@eager_only
 def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps: float):
     """(o [B, T, H, Dv], den [B, T, H] or None, states [B, H, ncp, F, E], S_end [B, H, F, E])."""
     _check(q, k, v, ld, chunk, phi)
@@ -75,7 +76,7 @@ def forward(q, k, v, ld, S0, chunk: int, phi, normalize: bool, scale: float, eps
     return o, den, states, S_end
 
 
-@torch.compiler.disable
+@eager_only
 def backward(q, k, v, ld, o, den, states, do, dS_end, chunk: int, phi, normalize: bool, scale: float, eps: float,
              need_dld: bool):
     """(dq, dk, dv, dld or None, dS0), dld [B|1, T, H] as ld."""

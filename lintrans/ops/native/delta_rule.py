@@ -5,6 +5,7 @@ import ctypes
 
 import torch
 
+from . import eager_only
 from .binding import I3, P, blas_rows, call, empty, last_contiguous, ptr, require, strides, takes
 
 
@@ -53,7 +54,7 @@ def _states_shape(q, v, chunk):
 
 
 # torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break)
-@torch.compiler.disable
+@eager_only
 def forward(q, k, v, beta, ld, S0, chunk: int, l2: bool, scale: float):
     """q, k [B, T, H, Dk] (L2-normalised here with ``l2``; q then times ``scale``), v [B, T, H, Dv], beta [B, T, H], ld
     [B|1, T, H] or None, S0 [B, H, Dk, Dv] -> (o [B, T, H, Dv], u (the values written, for backward; a head's rows
@@ -71,7 +72,7 @@ def forward(q, k, v, beta, ld, S0, chunk: int, l2: bool, scale: float):
     return o, u, states, S_end
 
 
-@torch.compiler.disable
+@eager_only
 def backward(q, k, v, beta, ld, u, states, do, dS_end, chunk: int, l2: bool, scale: float):
     """(dq, dk, dv, dbeta, dld or None, dS0), dld [B|1, T, H] as ld."""
     # the kernel gathers q, k, v row by row but hands do to BLAS in place

@@ -5,6 +5,7 @@ import ctypes
 
 import torch
 
+from . import eager_only
 from .binding import I3, P, blas_rows, call, empty, ptr, require, strides, takes
 
 # query rows per block: a block's scores (BLOCK x (BLOCK + window - 1)) stay in cache
@@ -42,7 +43,7 @@ def _args(q, k, v, window: int, scale: float) -> SlidingWindowArgs:
 
 
 # torch.compile cannot trace a ctypes call: it runs these eagerly (a clean graph break), as chunked.py's
-@torch.compiler.disable
+@eager_only
 def forward(q, k, v, window: int, scale: float):
     """(o [B, T, H, Dv] contiguous, lse [B, H, T], each row's base-2 logsumexp, for backward)."""
     q, k, v = map(blas_rows, (q, k, v))
@@ -55,7 +56,7 @@ def forward(q, k, v, window: int, scale: float):
     return o, lse
 
 
-@torch.compiler.disable
+@eager_only
 def backward(q, k, v, o, lse, do, window: int, scale: float):
     """(dq, dk, dv), contiguous; o and lse from forward."""
     q, k, v, do = map(blas_rows, (q, k, v, do.to(q.dtype)))
