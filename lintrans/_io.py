@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader (or a kill mid-write) sees the old file or the new one, never half."""
+"""Atomic file writes (a reader, or a kill mid-write, sees the old file or the new one, never half) and
+exclusive file locks."""
 from __future__ import annotations
 
 import os
@@ -45,3 +46,53 @@ def atomic_write_text(path, text: str) -> None:
             f.write(text)
 
     atomic_write(path, write)
+
+
+class FileLock:
+    """An exclusive fcntl lock on ``path`` (created if absent), held from ``acquire`` to ``release`` (or
+    while in a ``with``); the system drops it when the process dies, however it dies. Where fcntl is
+    missing there is no lock: ``acquire`` returns True."""
+
+    def __init__(self, path, *, blocking: bool = True):
+        self.path, self.blocking, self.fd = Path(path), blocking, None
+
+    def acquire(self) -> bool:
+        """Take the lock (waiting for it when blocking); False if another process holds it."""
+        try:
+            import fcntl
+        except ImportError:
+            return True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        os.ftruncate(fd, 0)  # who holds it, for the message of whoever finds it held
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return True
+
+    def holder(self) -> str:
+        """'pid N' of the process that wrote the lock file last (the holder, while it is held)."""
+        try:
+            pid = self.path.read_text().strip()
+        except OSError:
+            pid = ""
+        return f"pid {pid}" if pid.isdigit() else "another process"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lintrans._io import atomic_write_text
+from lintrans._io import FileLock, atomic_write_text
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, check_context_parallel, check_fsdp, padded_vocab, write_resolved
@@ -261,6 +261,9 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
     return model
 
 
+LOCK_NAME = ".lock"  # in a run's folder while a run trains there
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) the training described by ``cfg``; see docs/training.md."""
     cfg.validate()
@@ -275,13 +278,16 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def _train(cfg: TrainConfig, info: DistInfo) -> TrainResult:
     run = _Run(cfg, info)
-    done = run.plan()  # model config, batch layout, resume checks: before any data is read
-    if done is not None:
-        return done
-    run.load_data()
-    run.build()
-    run.open_logs()
-    return run.loop()
+    try:
+        done = run.plan()  # model config, batch layout, resume checks: before any data is read
+        if done is not None:
+            return done
+        run.load_data()
+        run.build()
+        run.open_logs()
+        return run.loop()
+    finally:
+        run.unlock()
 
 
 class _Run:
@@ -293,6 +299,24 @@ class _Run:
         self.out_dir = Path(cfg.train.out_dir)
         self.say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if info.is_main else (lambda *a: None)
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
+        self._lock = None
+
+    def lock(self) -> None:
+        """Rank 0 holds the run folder's lock for the whole run: a second run on the same folder (a
+        relaunch while the first still runs, e.g. workers left by a killed torchrun) would mix its
+        metrics and checkpoints with the first's."""
+        if not self.info.is_main or self._lock is not None or not self.out_dir.is_dir():
+            return
+        lock = FileLock(self.out_dir / LOCK_NAME, blocking=False)
+        if not lock.acquire():
+            raise ValueError(f"train.out_dir {self.out_dir} is in use by another run ({lock.holder()}); wait for "
+                             "it to finish, stop it, or pick another out_dir")
+        self._lock = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -311,6 +335,7 @@ class _Run:
         if (self.out_dir / "trainer_state.json").is_file():  # a run's checkpoint given for the run
             raise ValueError(f"train.out_dir {self.out_dir} is a checkpoint, not a run's folder; set "
                              f"train.out_dir={self.out_dir.parent} to continue the run it belongs to")
+        self.lock()  # before anything in the folder is read or removed
         if info.is_main:
             for path in ckpt.remove_abandoned(self.out_dir):
                 self.say(f"removed {path}: the unfinished save of a run that was killed")
@@ -423,6 +448,7 @@ class _Run:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # name the key, not only the path
             raise ValueError(f"train.out_dir {str(self.out_dir)!r} cannot be created: {e.strerror or e}") from None
+        self.lock()  # a new folder
         write_resolved(cfg, g, self.out_dir / "config.yaml")
         self.log = MetricsLog(self.out_dir, self.step, self.say)
         self.say(f"model: {g.attention} attention, {self.model.get_num_params() / 1e6:.2f}M parameters "

@@ -66,6 +66,33 @@ def test_resume_after_crash_between_renames(tiny_config):
     assert os.path.isdir(os.path.join(out, "checkpoint")) and not os.path.exists(os.path.join(out, "checkpoint.old"))
 
 
+def test_a_second_run_on_a_folder_in_use_is_refused(tiny_config, tmp_path):
+    """Two runs on one folder would interleave their metrics and overwrite each other's checkpoints:
+    while one trains there (here: holds the lock, as a run does), another is refused before it reads
+    or removes anything; once the first is gone, the folder is free again."""
+    import subprocess
+    import sys
+
+    from lintrans.train.loop import LOCK_NAME
+
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom lintrans._io import FileLock\n"
+        f"assert FileLock({str(out / LOCK_NAME)!r}, blocking=False).acquire()\n"
+        "print('held', flush=True)\ntime.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / ".checkpoint.tmp-1-abc").mkdir()  # what a live run's save looks like: must stay
+        with pytest.raises(ValueError, match=rf"train.out_dir .*run is in use by another run \(pid {holder.pid}\)"):
+            train(tiny_config())
+        assert (out / ".checkpoint.tmp-1-abc").is_dir() and read_state(out)["step"] == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train(tiny_config(**{"train.stop_after_steps": 1})).step == 2  # killed holder: lock gone
+
+
 def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now.*to continue that run, pass "

@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from lintrans._io import FileLock
 from lintrans._platform import cache_dir, cpu_identity
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
@@ -127,28 +128,6 @@ def library_path() -> Path:
     return root / f"liblintrans-{digest}.so"
 
 
-class _FileLock:
-    """An exclusive fcntl lock on ``path`` (created if absent), held while in scope; where fcntl is
-    missing, no lock (builds still land atomically, by rename)."""
-
-    def __init__(self, path: Path):
-        self.path, self.fd = path, None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:
-            return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-        return False
-
-
 TMP_PREFIX = "tmp-build-"
 LOCK_NAME = ".build.lock"
 
@@ -192,7 +171,7 @@ def build(verbose: bool = False, replace: Optional[tuple] = None) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # one lock for the directory: cleaning up temporary files and pruning touch every build's files
-    with _FileLock(out.parent / LOCK_NAME):
+    with FileLock(out.parent / LOCK_NAME):
         current = _stat_id(out)
         if current is not None and (replace is None or current != replace):
             return out  # built (or rebuilt) by another process while this one waited
