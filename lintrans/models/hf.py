@@ -158,8 +158,8 @@ def _layer_builds(config: GPTConfig, attention: str, options: dict) -> bool:
 
 
 def _read_tensors(path: Path) -> dict:
-    import pickle
-
+    if path.name.endswith(".index.json"):
+        return _read_shards(path)
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -168,13 +168,46 @@ def _read_tensors(path: Path) -> dict:
             return load_file(str(path), device="cpu")
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{path} is damaged or not a safetensors file: {e}") from None
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{path} cannot be read as a weights-only PyTorch file: {str(e).splitlines()[0]}") from None
+    obj = _torch_load(path, "a weights-only PyTorch file")
     if not isinstance(obj, dict):
         raise ValueError(f"{path} does not hold a state dict (got {type(obj).__name__})")
     return obj
+
+
+def _torch_load(path: Path, what: str):
+    """``torch.load(path, weights_only=True)``; a damaged file or one holding objects that weights-only
+    loading refuses is a ValueError naming it."""
+    import pickle
+
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text around the reason is advice for trusted files
+        boiler = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        reason = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith(boiler)]
+        raise ValueError(f"{path} cannot be read as {what}: weights-only loading refused it"
+                         + (f" ({reason[-1]})" if reason else "")) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} cannot be read as {what}: {first}") from None
+
+
+def _read_shards(index: Path) -> dict:
+    """The tensors of a sharded save (transformers' ``save_pretrained(max_shard_size=...)``): the index's
+    ``weight_map`` names the shard holding each tensor."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no 'weight_map' (tensor name -> shard file)")
+    state = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(f"{index} names a shard {shard!r} that is not a file name beside it")
+        if not (index.parent / shard).is_file():
+            raise ValueError(f"{index} names the shard {shard}, which is missing from {index.parent}")
+        state.update(_read_tensors(index.parent / shard))
+    missing = sorted(set(weight_map) - set(state))
+    if missing:
+        raise ValueError(f"{index}: the shards lack {len(missing)} tensors it lists, e.g. {missing[:3]}")
+    return state
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -188,11 +221,15 @@ def _write_safetensors(path: Path, state: dict, metadata: Optional[dict] = None)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
+# one file, or transformers' index of shards
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def _weights_file(folder: Path) -> Path:
-    for name in ("model.safetensors", "pytorch_model.bin"):
+    for name in WEIGHT_FILES:
         if (folder / name).is_file():
             return folder / name
-    raise FileNotFoundError(f"{folder} has no model.safetensors or pytorch_model.bin")
+    raise FileNotFoundError(f"{folder} has none of {', '.join(WEIGHT_FILES)}")
 
 
 # -- Hugging Face GPT-2 ---------------------------------------------------------------------
@@ -295,7 +332,14 @@ def save_hf(model: GPT, folder, safe_serialization: bool = True) -> Path:
 
 def load_hf(folder, **overrides) -> GPT:
     folder = Path(folder)
-    config = _apply_overrides(config_from_hf(read_json_object(folder / "config.json")), overrides)
+    try:
+        config = config_from_hf(read_json_object(folder / "config.json"))
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        if str(folder) not in message:
+            raise type(e)(f"{folder / 'config.json'}: {message}") from None
+        raise
+    config = _apply_overrides(config, overrides)
     state = state_dict_from_hf(_read_tensors(_weights_file(folder)))
     return _build(config, state, f"Hugging Face weights in {folder}")
 
@@ -305,7 +349,7 @@ def load_hf(folder, **overrides) -> GPT:
 def load_nanogpt(path, **overrides) -> GPT:
     """A nanoGPT ``ckpt.pt`` ({'model': state dict, 'model_args': {...}, ...}), read with weights_only."""
     path = Path(path)
-    ckpt = torch.load(str(path), map_location="cpu", weights_only=True)
+    ckpt = _torch_load(path, "a nanoGPT checkpoint")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise ValueError(f"{path} is not a nanoGPT checkpoint (a dict with 'model' and 'model_args')")
     args = dict(ckpt["model_args"])
@@ -417,9 +461,7 @@ def find_in_hf_cache(name: str) -> tuple[Optional[Path], list[Path]]:
         if (repo / "snapshots").is_dir():
             snaps += sorted((repo / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
         for snap in snaps:
-            if (snap / "config.json").is_file() and any(
-                (snap / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")
-            ):
+            if (snap / "config.json").is_file() and any((snap / f).is_file() for f in WEIGHT_FILES):
                 return snap, looked
     return None, looked
 

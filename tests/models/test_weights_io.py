@@ -303,3 +303,63 @@ def test_swapping_attention_keeps_options_that_work_only_together(tmp_path):
         warnings.simplefilter("ignore")
         loaded = load_model(tmp_path, attention="retention")
     assert loaded.config.attention_options == {"feature_map": "performer", "feature_map_options": {"num_features": 8}}
+
+
+def shard_as_bin(folder):
+    """The older sharded format: pytorch_model-0000N-of-0000M.bin files and their index."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        torch.save(load_file(str(folder / shard)), folder / shard.replace("model", "pytorch_model").replace(
+            ".safetensors", ".bin"))
+        (folder / shard).unlink()
+    index["weight_map"] = {k: v.replace("model", "pytorch_model").replace(".safetensors", ".bin")
+                           for k, v in index["weight_map"].items()}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    (folder / "model.safetensors.index.json").unlink()
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_sharded_huggingface_folders_load(tmp_path, monkeypatch, safe):
+    """transformers' save_pretrained with a shard limit writes an index and several files (gpt2-large
+    and -xl are shared that way): loaded as one, also from the local cache."""
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    if not safe:
+        shard_as_bin(tmp_path / "hf")
+    index = "model.safetensors.index.json" if safe else "pytorch_model.bin.index.json"
+    assert (tmp_path / "hf" / index).is_file() and len(list((tmp_path / "hf").glob("*-of-*"))) > 2
+    idx = torch.randint(0, VOCAB, (1, 16))
+    assert (ours_logits(load_model(tmp_path / "hf"), idx) - hf_logits(hf, idx)).abs().max() <= 1e-4
+    snap = tmp_path / "hub" / "models--tiny--sharded" / "snapshots" / "abc"
+    snap.parent.mkdir(parents=True)
+    (tmp_path / "hf").rename(snap)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert GPT.from_pretrained("tiny/sharded").config.n_embd == 32
+    shards = json.loads((snap / index).read_text())["weight_map"]
+    (snap / sorted(set(shards.values()))[-1]).unlink()
+    with pytest.raises(ValueError, match=r"names the shard .*-of-.*, which is missing"):
+        load_model(snap)
+
+
+def test_damaged_nanogpt_checkpoints_and_hf_configs_fail_in_one_line(tmp_path):
+    nanogpt_checkpoint(tmp_path / "ckpt.pt")
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    for name, content in (("cut.pt", data[: len(data) // 2]), ("empty.pt", b"")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=rf"{name} cannot be read as a nanoGPT checkpoint: \S"):
+            load_model(tmp_path / name)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"model": Evil(), "model_args": {}}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="evil.pt cannot be read as a nanoGPT checkpoint"):
+        load_model(tmp_path / "evil.pt")
+    hf_model().save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "n_head": 3}))
+    with pytest.raises(ValueError, match=r"hf/config.json: .*divisible by n_head \(3\)"):
+        load_model(tmp_path / "hf")
