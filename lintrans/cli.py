@@ -58,6 +58,34 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extras: 
     target.error(f"unrecognized arguments: {' '.join(extras)}" + "".join("\n  " + h for h in hints))
 
 
+def _nested_keys(parser: argparse.ArgumentParser, command: str | None, argv: list[str]) -> list[str]:
+    """``--model.attention_options.form recurrent`` (a key inside a dict-valued key) as the command's
+    ``--set model.attention_options.form=recurrent``, where the command has --set and the flag's
+    first two parts are one of its keys."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    target = sub.choices.get(command) if sub is not None and command else None
+    known = {o for a in target._actions for o in a.option_strings} if target is not None else set()
+    if "--set" not in known:
+        return argv
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        flag, eq, value = word.partition("=")
+        parts = flag[2:].split(".") if flag.startswith("--") else []
+        if len(parts) > 2 and f"--{parts[0]}.{parts[1]}" in known and all(parts):
+            if not eq and i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            elif not eq:  # no value: leave it for argparse to report
+                out.append(word)
+                i += 1
+                continue
+            out += ["--set", f"{flag[2:]}={value}"]
+        else:
+            out.append(word)
+        i += 1
+    return out
+
+
 def use_huge_pages() -> None:
     """Ask PyTorch's CPU allocator for transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, PyTorch
     >= 2.2, Linux) unless the variable is already set.
@@ -78,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         command = None
     parser = build_parser(only=command)
+    argv = _nested_keys(parser, command, argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unrecognized(parser, command, extras)

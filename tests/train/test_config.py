@@ -151,6 +151,19 @@ def test_print_config_fails_like_a_run(override, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_a_flag_for_a_key_inside_a_table_is_its_set(capsys):
+    argv = ["train", "--model.attention", "linear", "--model.attention_options.form", "state_loop",
+            "--model.attention_options.feature_map=relu", "--print-config"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "form: state_loop" in out and "feature_map: relu" in out
+    assert main(["train", "--model.attention", "linear", "--model.attention_options.nope", "1", "--print-config"]) == 2
+    assert "unknown attention_options ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no value: argparse's error, naming the flag
+        main(["train", "--model.attention_options.form"])
+    assert "--model.attention_options.form" in capsys.readouterr().err
+
+
 def test_print_config_takes_options_that_build_tensors(capsys):
     # the config check builds a layer on the meta device; global_tokens used to become a meta tensor
     # there and fail on .item() although the run itself builds
