@@ -147,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = apply_flags(RunOptions(), args, dest="opt:", label=option_label)
         out = out_folder(args.study, opts)
+        for folder in (out, *out.parents):  # before any work: else the first finished run fails to save
+            if folder.exists():
+                if not folder.is_dir():
+                    raise ValueError(f"--out {out}: {folder} is a file, not a folder")
+                break
         if opts.plot_only:
             path = out / f"{args.study}.json"
             if not path.is_file():

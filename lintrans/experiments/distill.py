@@ -102,6 +102,12 @@ LIMITS = dict.fromkeys(("seeds", "n_layer", "n_head", "n_embd", "context", "toke
 
 def validate(s: dict) -> None:
     study.check_settings(s, DEFAULT, LIMITS)
+    from lintrans.train.data import resolve_source
+
+    try:
+        resolve_source(s["source"])
+    except (FileNotFoundError, OSError) as e:
+        raise ValueError(f"source: {e}") from None
     study.check_lrs(s["lrs"])
     study.check_lrs(s["teacher_lrs"], "teacher_lrs")
     check_number("distill_lr", s["distill_lr"], low=0, high=1, low_open=True, high_open=True)
@@ -119,7 +125,26 @@ def validate(s: dict) -> None:
 
 def teacher_spec(s: dict, lr: float, seed: int) -> dict:
     spec = context.run_spec({**s, "steps": s["teacher_steps"]}, "softmax", s["context"], lr, seed)
-    return {**spec, "study": NAME, "role": "teacher", "version": VERSION}
+    return {**spec, "study": NAME, "role": "teacher", "version": VERSION, **source_key(s["source"])}
+
+
+def source_key(source: str) -> dict:
+    """What names a text besides its spec: a file or folder by its content, so that runs on a source
+    whose files changed are trained again, not reused. The embedded corpus, versioned with lintrans,
+    is named by its name alone (the keys of the runs recorded before this existed)."""
+    from lintrans.train.data import resolve_source
+
+    resolved = resolve_source(source)
+    if getattr(resolved, "builtin", None) is not None:
+        return {}
+    if hasattr(resolved, "fingerprint"):
+        return {"source_sha256": resolved.fingerprint()}
+    import hashlib  # a nanoGPT token file, or a folder of train.bin and val.bin
+
+    h = hashlib.sha256()
+    for path in sorted(resolved.path.glob("*.bin")) if resolved.path.is_dir() else [resolved.path]:
+        h.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return {"source_sha256": h.hexdigest()}
 
 
 def map_spec(s: dict, teacher: dict, fmap: str, lr: float) -> dict:

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from lintrans._io import atomic_write_text
+from lintrans._io import atomic_write, atomic_write_text
 from lintrans.checks import check_positive_int
 from lintrans.config import check_fields, set_key
 
@@ -77,7 +77,11 @@ class RunStore:
         p = self.path(spec)
         if not p.is_file():
             return None
-        return json.loads(p.read_text())["result"]
+        try:
+            return json.loads(p.read_text())["result"]
+        except (ValueError, KeyError, TypeError) as e:  # written atomically, so only by hand or a bad disk
+            raise ValueError(f"run file {p} is damaged ({type(e).__name__}: {e}); delete it and the same "
+                             "command trains that run again") from None
 
     def put(self, spec: dict, result: dict) -> None:
         text = json.dumps({"key": run_key(spec), "spec": spec, "result": finite(result)}, allow_nan=False)
@@ -123,8 +127,9 @@ def _execute(fn_name: str, spec: dict, folder: str, units: int, report: Callable
     return result
 
 
-# worker-process globals: the progress queue and a throttle, set once per worker by _init_worker
+# worker-process globals: the progress queue, the study's pid and a throttle, set once per worker by _init_worker
 _QUEUE = None
+_PARENT = None
 _PENDING = [0, 0.0]
 
 
@@ -135,8 +140,8 @@ def run_threads(jobs: int) -> int:
 
 
 def _init_worker(progress_queue, threads: int, parent: int) -> None:
-    global _QUEUE
-    _QUEUE = progress_queue
+    global _QUEUE, _PARENT
+    _QUEUE, _PARENT = progress_queue, parent
     torch.set_num_threads(threads)
     # the study's pid from the study itself: read here, a study killed while this worker started would
     # already be gone (the parent then init's)
@@ -160,6 +165,8 @@ def _queue_report(n: int) -> None:
 
 
 def _worker(fn_name: str, spec: dict, folder: str, units: int, device: str) -> dict:
+    if _PARENT is not None and os.getppid() != _PARENT:  # the study died since the watchdog last looked
+        os._exit(1)
     try:
         return _execute(fn_name, spec, folder, units, _queue_report, device)
     finally:
@@ -515,7 +522,7 @@ def save(fig, path) -> Path:
         title = fig._suptitle.get_text() if fig._suptitle is not None else ""
         fig.suptitle(_banner[-1] + ("\n" + title if title else ""), fontsize=9, color="firebrick")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))  # a kill leaves the old plot whole
     pyplot().close(fig)
     return Path(path)
 

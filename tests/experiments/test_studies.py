@@ -216,6 +216,8 @@ def test_quick_does_not_default_to_the_record_folder():
     ("distill", ["--set", "context=48"], "multiples of context"),
     ("distill", ["--distill-lr", "0"], "distill_lr must be a number in (0, 1)"),
     ("distill", ["--teacher-lrs", "0"], "teacher_lrs must be a non-empty list"),
+    ("distill", ["--source", "/nonexistent/file.txt"], "source: "),
+    ("distill", ["--source", "nosuch:thing"], "source: "),
 ])
 def test_bad_input_exits_2_with_one_line(name, args, match, tmp_path, capsys):
     assert run_cli(name, tmp_path, *args) == 2
@@ -487,3 +489,56 @@ def test_a_worker_exits_when_its_study_process_dies():
 
     code = "from lintrans.experiments.study import _exit_with_parent; _exit_with_parent(-1)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 1
+
+
+def test_an_out_that_is_a_file_stops_before_any_work(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert run_cli("regression", out) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("lintrans experiment: --out ") and "is a file, not a folder" in err, err
+
+
+def test_distill_runs_on_a_file_are_keyed_by_its_content(tmp_path):
+    """Teachers trained on a file are not reused once the file says something else; the embedded
+    corpus's runs keep the keys they were recorded under."""
+    from lintrans.experiments import distill
+    from lintrans.experiments.study import run_key
+
+    s = {**distill.DEFAULT, "source": str(tmp_path / "a.txt")}
+    (tmp_path / "a.txt").write_text("one text " * 50)
+    before = run_key(distill.teacher_spec(s, 1e-3, 0))
+    assert run_key(distill.teacher_spec(s, 1e-3, 0)) == before
+    (tmp_path / "a.txt").write_text("another text " * 50)
+    assert run_key(distill.teacher_spec(s, 1e-3, 0)) != before
+    assert "source_sha256" not in distill.teacher_spec(distill.DEFAULT, 1e-3, 0)
+
+
+def test_a_damaged_run_file_is_named(tmp_path):
+    from lintrans.experiments.study import RunStore
+
+    store = RunStore(tmp_path)
+    store.put({"a": 1}, {"x": 1.0})
+    assert store.get({"a": 1}) == {"x": 1.0}
+    store.path({"a": 1}).write_text("{}")
+    with pytest.raises(ValueError, match=r"run file .*\.json is damaged .*delete it"):
+        store.get({"a": 1})
+
+
+def test_a_plot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    from lintrans.experiments import study
+
+    plt = study.pyplot()
+    fig = plt.figure()
+    study.save(fig, tmp_path / "p.png")
+    old = (tmp_path / "p.png").read_bytes()
+
+    def broken(path, **kw):
+        open(path, "wb").write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    fig = plt.figure()
+    monkeypatch.setattr(fig, "savefig", broken)
+    with pytest.raises(KeyboardInterrupt):
+        study.save(fig, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["p.png"]
