@@ -40,6 +40,20 @@ def atomic_write(path, write: Callable[[str], None]) -> None:
         raise
 
 
+def writable_folder(path, what: str) -> Path:
+    """Make folder ``path`` (and its parents) and check that a file can be written in it, before the
+    work whose results go there; a ValueError naming ``what`` (the option) otherwise."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+    return path
+
+
 def atomic_write_text(path, text: str) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:

@@ -1,6 +1,7 @@
 """Where lintrans keeps its caches, and which CPU it runs on (torch-free, imported by ops and bench)."""
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -15,6 +16,7 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "lintrans"
 
 
+@functools.lru_cache(maxsize=None)  # read once: looked up on every op call that tunes its chunk
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -32,6 +34,7 @@ _IDENTITY_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "Fe
                   "CPU architecture", "CPU variant", "CPU part")
 
 
+@functools.lru_cache(maxsize=None)
 def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as f:

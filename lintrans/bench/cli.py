@@ -345,19 +345,44 @@ def build_profile(args: BenchOptions) -> Profile:
     return prof
 
 
+# the options that only some benchmarks read: given to another alone, they would be recorded unused
+APPLIES_TO = {"decoders": ("generate",), "ops": ("ops",), "forward_only": ("ops",), "dtype": ("ops",),
+              "sizes": ("train", "generate"), "forms": ("train",), "mechanisms": ("train",), "precision": ("train",)}
+
+
+def check_applies(which: str, given: list[str]) -> None:
+    """ValueError for an option ``which`` does not read (``all`` runs every benchmark: each applies)."""
+    if which == "all":
+        return
+    for key in given:
+        if which not in APPLIES_TO.get(key, (which,)):
+            raise ValueError(f"--{key.replace('_', '-')} applies to bench {' and '.join(APPLIES_TO[key])}, "
+                             f"not {which}")
+
+
 def run(args) -> int:
-    from lintrans.config import apply_flags, flag_name
+    from lintrans.config import apply_flags, flag_name, given_flags
     from lintrans.device import resolve_device
 
     try:
         opts = apply_flags(BenchOptions(), args, dest="opt:", label=flag_name)
         opts.device = str(resolve_device(opts.device, what="--device"))
+        check_applies(args.which, [key for key, _ in given_flags(args, "opt:")])
+        if args.which == "generate" and opts.sizes and len(opts.sizes) > 1:
+            raise ValueError(f"--sizes: generate measures one model size, got {len(opts.sizes)}")
     except (ValueError, TypeError) as e:
         raise SystemExit(f"lintrans bench: {e}")
     prof = build_profile(opts)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    out = Path(opts.out) if opts.out is not None else None
+    out = None
+    if opts.out is not None:
+        from lintrans._io import writable_folder
+
+        try:  # before anything is measured, not when the results are written
+            out = writable_folder(opts.out, "--out")
+        except ValueError as e:
+            raise SystemExit(f"lintrans bench: {e}")
     import dataclasses
 
     command = getattr(args, "command_line", None)  # set by lintrans.cli: the record says what made it

@@ -108,6 +108,9 @@ def run(args) -> int:
         for flag in ("max_T", "generate_max_T", "ops_max_T"):
             check_number(f"--{flag.replace('_', '-')}", getattr(args, flag), integer=True, low=256)
         check_number("--time-cap", args.time_cap, low=0, low_open=True)
+        from lintrans._io import writable_folder
+
+        writable_folder(args.out, "--out")
     except (ValueError, TypeError) as e:
         raise SystemExit(f"lintrans demo: {e}")
     t0 = time.perf_counter()

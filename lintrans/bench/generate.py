@@ -11,12 +11,12 @@ from .measure import Caps, Point, Series, peak_memory, sweep_side_by_side
 from .sizes import DEFAULT_CHUNK, model_size
 
 
-def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str = "cpu"):
+def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str = "cpu", steps: int = 256):
     from lintrans.models import GPT
 
-    # room for the decode steps after the longest context: learned positions must cover them; the
-    # prefill is not timed, so a fixed chunk size spares tuning at every context
-    config = model_size(size).gpt_config(max_T + 256, attention, "chunked" if attention == "linear" else None,
+    # room for the ``steps`` decode steps after the longest context: learned positions must cover them;
+    # the prefill is not timed, so a fixed chunk size spares tuning at every context
+    config = model_size(size).gpt_config(max_T + steps, attention, "chunked" if attention == "linear" else None,
                                          DEFAULT_CHUNK)
     torch.manual_seed(0)
     model = GPT(config).to(device).eval()
@@ -56,7 +56,10 @@ def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str
     """``decoders``: which of ``DECODERS`` to run (the softmax prefill of a long context with a
     large model takes minutes; its cache is in ``decode_lines`` from the cost model either way)."""
     max_T = max(Ts)
-    series = [Series(DECODERS[a], lambda T, a=a: make_decode_step(size, T, a, max_T, device), measure_memory=False)
+    # every step a point can time: warm-up, the repeats, and the repeats of each retime (with slack)
+    steps = max(256, 2 * caps.repeats * (1 + caps.retimes) + 16)
+    series = [Series(DECODERS[a], lambda T, a=a: make_decode_step(size, T, a, max_T, device, steps),
+                     measure_memory=False)
               for a in DECODERS if a in decoders]
     return sweep_side_by_side(series, Ts, caps, device=device, on_point=on_point)
 

@@ -65,7 +65,8 @@ def plot_sweep(rows: list[dict], path: Path, title: str, *, value: str = "time_s
     axes[0][-1].legend(handles, labels, fontsize=7, loc="best")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    from lintrans._io import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))  # like the JSON beside it
     plt.close(fig)
     return path

@@ -112,12 +112,16 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from .machine import machine_info
 
+    from lintrans._io import atomic_write_text, writable_folder
+
+    try:  # before the work
+        out = writable_folder(args.out, "--out")
+    except ValueError as e:
+        raise SystemExit(str(e))
     rows = lsh_error() if args.what == "error" else reversible_memory(args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": f"reformer {args.what}", "date": time.strftime("%Y-%m-%d"),
               "machine": machine_info(args.device), "rows": rows}
-    (out / f"{args.what}.json").write_text(json.dumps(record, indent=1))
+    atomic_write_text(out / f"{args.what}.json", json.dumps(record, indent=1))
     print(f"wrote {out / (args.what + '.json')}")
 
 

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from lintrans.checks import check_positive_int
-from lintrans.ops.chunk_tuning import cache_file, cache_key, load_cache, store, t_bucket, tune_chunk_size
+from lintrans.ops.chunk_tuning import cache_file, cache_key, load_cache, store, t_bucket, tune_chunk_size, tuned_dtype
 
 from .sizes import feature_dim_of
 
@@ -44,6 +44,9 @@ def run(args) -> int:
     except (ValueError, TypeError) as e:
         print(f"lintrans tune: --feature-map: {e}", file=sys.stderr)
         return 2
+    if tuned_dtype(dtype, args.device) != dtype:  # tuning the dtype nothing looks up would be wasted
+        print(f"{args.dtype} is computed in float32 on the CPU: tuning for float32", file=sys.stderr)
+        dtype = tuned_dtype(dtype, args.device)
     print(f"cache: {cache_file()}")
     print(f"{'T bucket':>9} {'best':>5}  seconds per forward+backward by chunk size")
     for T in args.T:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lintrans._io import atomic_write_text
-from lintrans._platform import cache_dir, cpu_model
+from lintrans._platform import cache_dir, cpu_model, cpu_vector_features
 
 CANDIDATES = (32, 64, 128, 256)  # 16 and 512 lost at every T tried on the benchmark CPU; fewer = cheaper
 MAX_BUCKET = 16384  # longer contexts reuse the 16k choice: the best chunk stops depending on T
@@ -41,7 +41,10 @@ def device_name(device) -> str:
         from .native import active
 
         path = ":native" if active() else ""
-        return f"cpu:{cpu_model()}:{torch.get_num_threads()}threads{path}"
+        # the vector features too: one model name covers CPUs with and without AVX-512 (cloud VMs),
+        # whose best chunks differ, and a home folder may be shared between them
+        features = cpu_vector_features().replace(" ", ",")
+        return f"cpu:{cpu_model()}[{features}]:{torch.get_num_threads()}threads{path}"
     return device.type
 
 
@@ -115,11 +118,16 @@ def tune_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32
     return min(timings, key=timings.get), timings
 
 
+def tuned_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype whose chunk size applies: on a CPU, 16-bit inputs are computed in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) and torch.device(device).type == "cpu" else dtype
+
+
 def auto_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32, device="cpu",
                     gated: bool = False) -> int:
     """The cached fastest chunk size for this shape class (with a decay when ``gated``); measured
     (and cached) on first use."""
-    dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) and torch.device(device).type == "cpu" else dtype
+    dtype = tuned_dtype(dtype, device)
     key = cache_key(device, dtype, head_dim, feature_dim, T, gated)
     if key in _memo:
         return _memo[key]

@@ -28,6 +28,30 @@ def test_tune_writes_then_reads_the_cache(capsys, monkeypatch, tmp_path):
     assert list(json.loads((tmp_path / "chunk_size.json").read_text()).values())[0]["chunk_size"] == 32
 
 
+def test_tune_of_a_16_bit_dtype_on_the_cpu_tunes_what_is_looked_up(capsys, monkeypatch, tmp_path):
+    """bf16 inputs run in float32 on a CPU, so auto_chunk_size looks up float32: tune tunes that."""
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_memo", {})
+    calls = []
+    monkeypatch.setattr(tune, "measure_candidate", lambda c, *a, **k: calls.append(c) or float(c))
+    assert main(["tune", "--T", "100", "--head-dim", "8", "--dtype", "bfloat16"]) == 0
+    assert "computed in float32 on the CPU" in capsys.readouterr().err
+    assert tune.auto_chunk_size(100, 8, 8, torch.bfloat16) == 32 and calls == [32, 64, 128]  # no second tuning
+    assert [k.split("|")[1] for k in json.loads((tmp_path / "chunk_size.json").read_text())] == ["float32"]
+
+
+def test_an_out_that_cannot_be_written_stops_before_any_work(tmp_path, capsys, monkeypatch):
+    from lintrans.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", lambda *a, **k: pytest.fail("measured before --out was checked"))
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert main(["bench", "loss", "--T", "256", "--out", str(out)]) == 2
+        assert "lintrans bench: --out " in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "afile")]) == 2
+    assert "lintrans demo: --out " in capsys.readouterr().err
+
+
 def test_bench_ops_writes_results(tmp_path, monkeypatch):
     from lintrans.bench import machine
 
@@ -429,3 +453,13 @@ def test_the_ops_progress_bar_counts_only_the_selected_series(monkeypatch):
     prof.ops_T, prof.ops_only = [256, 512, 1024], ["linear chunked", "softmax (SDPA)"]
     bench_cli.run_benchmark("ops", prof)
     assert totals == [2 * 3]
+
+
+def test_generate_has_room_for_as_many_repeats_as_asked():
+    """Each timed token takes a position: the model is built with room for every repeat and retime."""
+    from lintrans.bench.generate import run_generate
+    from lintrans.bench.measure import Caps
+
+    caps = Caps(time_s=10.0, repeats=300, budget_s=1e9, retimes=1)
+    (point,) = run_generate([8], caps, size="4L-128", decoders=("linear",))
+    assert point.status == "ok" and len(point.times_s) == 300, point.status

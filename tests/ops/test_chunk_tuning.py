@@ -132,3 +132,11 @@ def test_the_op_layer_does_not_import_the_benchmarks():
 
     code = "import sys, lintrans.ops, lintrans.ops.chunk_tuning; print(any(m.startswith('lintrans.bench') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_a_cpu_entry_names_the_vector_features():
+    """One model name ("AMD EPYC") covers CPUs with and without AVX-512, whose best chunks differ."""
+    from lintrans._platform import cpu_vector_features
+
+    key = tune.cache_key("cpu", torch.float32, 64, 64, 4096)
+    assert f"[{cpu_vector_features().replace(' ', ',')}]" in key
