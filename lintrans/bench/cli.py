@@ -241,6 +241,11 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
                 "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": _load_average(),
                 "headline": result["headline"], "speedups": speedups,
                 "memory_method": "peak RSS rise during one step (VmHWM after clear_refs; malloc mmap threshold 128 KiB)"}
+        from .report import noise_warning
+
+        warning = noise_warning(info)
+        if warning is not None:  # in the record too, beside the headline it qualifies
+            meta["noise_warning"] = warning
         paths = write_results(out, which, rows, meta)
         features = f" ({info['cpu_features']})" if info.get("cpu_features") else ""
         sub = (f"{info['cpu']}{features}, {info['torch_threads']} threads, torch {info['torch']}, "
@@ -250,9 +255,7 @@ def run_benchmark(which: str, prof: Profile, *, device: str = "cpu", out: Option
         ylabel = "seconds per token" if which == "generate" else "seconds per step"
         paths["png"] = plot_sweep(rows, Path(out) / f"{which}.png", title, ylabel=ylabel, second=second, subtitle=sub)
         print("wrote", ", ".join(str(p) for p in paths.values()))
-        from .report import noise_warning
-
-        if (warning := noise_warning(info)) is not None:
+        if warning is not None:
             print(warning, file=sys.stderr)
         result["noise_warning"] = warning
         result["machine"] = info

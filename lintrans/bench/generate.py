@@ -85,5 +85,5 @@ def decode_lines(rows: list[dict], size: str) -> list[str]:
         kv = cache_bytes(model.shape(T + 256), T)
         state = cache_bytes(model.shape(T + 256, "linear", "chunked"), T)
         lines.append(f"at T = {T} the softmax KV cache holds {kv / 2**20:.1f} MiB, the linear state "
-                     f"{state / 2**20:.2f} MiB ({kv / state:.0f}x)")
+                     f"{state / 2**20:.2f} MiB ({kv / state:.3g}x)")
     return lines

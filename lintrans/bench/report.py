@@ -134,5 +134,7 @@ def write_results(out: Path, name: str, rows: list[dict], meta: dict) -> dict[st
         md += ["", "cache kept for decoding:", "", markdown_table(rows, "cache_bytes")]
     if meta.get("headline"):
         md += ["", "headline: " + meta["headline"]]
+    if meta.get("noise_warning"):
+        md += ["", meta["noise_warning"]]
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     return paths

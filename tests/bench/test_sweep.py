@@ -75,6 +75,9 @@ def test_speedup_headline_and_files(tmp_path):
     assert "3.00 GiB" in table([{**rows[0], "peak_bytes": 3 * 2**30}], "peak_bytes")
     paths = write_results(tmp_path, "x", rows, {"machine": {"cpu": "test"}, "headline": "h"})
     assert json.loads(paths["json"].read_text())["rows"][0]["series"] == "soft"
+    assert "warning" not in paths["md"].read_text()
+    paths = write_results(tmp_path, "x", rows, {"machine": {"cpu": "test"}, "headline": "h", "noise_warning": "warning: busy"})
+    assert paths["md"].read_text().rstrip().endswith("warning: busy")
     from lintrans.bench.plots import plot_sweep
 
     assert plot_sweep(rows, tmp_path / "x.png", "t").stat().st_size > 0
