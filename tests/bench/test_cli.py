@@ -387,7 +387,7 @@ def test_bench_generate_at_chosen_contexts_with_one_decoder(tmp_path, capsys):
     # the cost model's cache bytes for 4L-128 (2 heads of 64) at T = 96: KV 2 L K h T x 4, state L N F (h + 1) x 4
     kv, state = 2 * 4 * 2 * 64 * 96 * 4, 4 * 2 * 64 * 65 * 4
     assert all(r["cache_bytes"] == state for r in data["rows"])
-    assert f"({kv / state:.0f}x)" in data["headline"] and "ms per token at T = 96" in data["headline"]
+    assert f"({kv / state:.3g}x)" in data["headline"] and "ms per token at T = 96" in data["headline"]
     # every timed repeat's process CPU time beside its wall time, the least as cpu_s
     assert all(len(r["cpu_times_s"]) == len(r["times_s"]) and r["cpu_s"] == min(r["cpu_times_s"]) for r in data["rows"])
     assert "process CPU time" in data["headline"]
