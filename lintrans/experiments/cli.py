@@ -111,6 +111,9 @@ def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] =
     settings = settings_class(mod.NAME, mod.DEFAULT, getattr(mod, "LIMITS", None))()
     presets = getattr(mod, "PRESETS", {})
     if setting is not None:
+        if not presets:
+            raise ValueError(f"--setting: {mod.NAME} has no named settings (only "
+                             f"{', '.join(n for n in STUDIES if getattr(importlib.import_module(f'lintrans.experiments.{n}'), 'PRESETS', None))} have them)")
         check_choice(f"--setting for {mod.NAME}", setting, sorted(presets))
     for key, value in (presets[setting].items() if setting is not None else ()):
         set_key(settings, key, value, label=setting_label)
@@ -135,7 +138,7 @@ def _raise_terminated(signum, frame):
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from lintrans.config import apply_flags, dump
+    from lintrans.config import apply_flags, dump, given_flags
 
     from .study import StudyIncomplete, write_record
 
@@ -153,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
                     raise ValueError(f"--out {out}: {folder} is a file, not a folder")
                 break
         if opts.plot_only:
+            given = [k for k, _ in given_flags(args, "setting:")] + (["--set"] if args.set else [])
+            if given:  # they would change nothing: the record says what ran (--setting, --quick pick its folder)
+                raise ValueError(f"--plot-only redraws the record as it is; it takes no settings, got {given}")
             path = out / f"{args.study}.json"
             if not path.is_file():
                 raise ValueError(f"--plot-only needs an existing record {path}")

@@ -212,6 +212,8 @@ def test_quick_does_not_default_to_the_record_folder():
     ("regression", ["--set", "curriculum=1.5"], "curriculum"),
     ("regression", ["--seeds", "0"], "seeds"),
     ("context", ["--plot-only"], "--plot-only"),
+    ("context", ["--plot-only", "--steps", "9"], "--plot-only redraws the record as it is; it takes no settings"),
+    ("regression", ["--setting", "hard"], "--setting: regression has no named settings (only context, recall"),
     ("distill", ["--set", "maps=[\"elu\",\"cosine\"]"], "maps"),
     ("distill", ["--set", "context=48"], "multiples of context"),
     ("distill", ["--distill-lr", "0"], "distill_lr must be a number in (0, 1)"),
