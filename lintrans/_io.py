@@ -2,8 +2,10 @@
 exclusive file locks."""
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -62,13 +64,17 @@ def atomic_write_text(path, text: str) -> None:
     atomic_write(path, write)
 
 
+# flock's answers where the file system has no locks (Lustre's noflock, NFS without lockd)
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
 class FileLock:
     """An exclusive fcntl lock on ``path`` (created if absent), held from ``acquire`` to ``release`` (or
     while in a ``with``); the system drops it when the process dies, however it dies. Where fcntl is
     missing there is no lock: ``acquire`` returns True."""
 
-    def __init__(self, path, *, blocking: bool = True):
-        self.path, self.blocking, self.fd = Path(path), blocking, None
+    def __init__(self, path, *, blocking: bool = True, warn: bool = True):
+        self.path, self.blocking, self.warn, self.fd = Path(path), blocking, warn, None
 
     def acquire(self) -> bool:
         """Take the lock (waiting for it when blocking); False if another process holds it."""
@@ -82,13 +88,29 @@ class FileLock:
         except BlockingIOError:
             os.close(fd)
             return False
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_LOCKS:
+                raise
+            if self.warn:
+                warnings.warn(f"{self.path.parent}: this file system has no file locks ({e.strerror}); going on "
+                              "without the lock", stacklevel=2)
+            return True
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
-        os.ftruncate(fd, 0)  # who holds it, for the message of whoever finds it held
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:  # who holds it, for the message of whoever finds it held; best effort (a full disk)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            pass
         return True
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock (False after a no-lock file system let it go on without)."""
+        return self.fd is not None
 
     def holder(self) -> str:
         """'pid N' of the process that wrote the lock file last (the holder, while it is held)."""

@@ -67,13 +67,20 @@ def _nested_keys(parser: argparse.ArgumentParser, command: str | None, argv: lis
     known = {o for a in target._actions for o in a.option_strings} if target is not None else set()
     if "--set" not in known:
         return argv
+    def table(word):  # "--model.attention_options" of "--model.attention_options.form[=x]", else None
+        parts = word.partition("=")[0][2:].split(".") if word.startswith("--") else []
+        name = f"--{parts[0]}.{parts[1]}" if len(parts) > 2 and all(parts) else None
+        return name if name in known else None
+
+    tables = {t for w in argv if (t := table(w))}
     out, i = [], 0
     while i < len(argv):
         word = argv[i]
         flag, eq, value = word.partition("=")
-        parts = flag[2:].split(".") if flag.startswith("--") else []
-        if len(parts) > 2 and f"--{parts[0]}.{parts[1]}" in known and all(parts):
-            if not eq and i + 1 < len(argv):
+        # a key inside a table, or the whole table given beside such keys: all become --set, so that
+        # they apply in the order given (flags would apply after every --set)
+        if table(word) or (flag in tables):
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value, i = argv[i + 1], i + 1
             elif not eq:  # no value: leave it for argparse to report
                 out.append(word)
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         command = None
     parser = build_parser(only=command)
+    typed = argv
     argv = _nested_keys(parser, command, argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    args.command_line = shlex.join(["lintrans", *argv])  # for records that name the command that made them
+    args.command_line = shlex.join(["lintrans", *typed])  # for records that name the command that made them
     shown = warnings.formatwarning
     warnings.formatwarning = _one_line  # a CLI user reads the warning, not the source line that raised it
     try:

@@ -370,7 +370,9 @@ def run(args) -> int:
     try:
         opts = apply_flags(BenchOptions(), args, dest="opt:", label=flag_name)
         opts.device = str(resolve_device(opts.device, what="--device"))
-        check_applies(args.which, [key for key, _ in given_flags(args, "opt:")])
+        defaults = BenchOptions()
+        check_applies(args.which, [key for key, _ in given_flags(args, "opt:")  # a default changes nothing
+                                   if getattr(opts, key) != getattr(defaults, key)])
         if args.which == "generate" and opts.sizes and len(opts.sizes) > 1:
             raise ValueError(f"--sizes: generate measures one model size, got {len(opts.sizes)}")
     except (ValueError, TypeError) as e:

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                     raise ValueError(f"--out {out}: {folder} is a file, not a folder")
                 break
         if opts.plot_only:
-            given = [k for k, _ in given_flags(args, "setting:")] + (["--set"] if args.set else [])
+            given = [f"--{k.replace('_', '-')}" for k, _ in given_flags(args, "setting:")] + (["--set"] if args.set else [])
             if given:  # they would change nothing: the record says what ran (--setting, --quick pick its folder)
                 raise ValueError(f"--plot-only redraws the record as it is; it takes no settings, got {given}")
             path = out / f"{args.study}.json"

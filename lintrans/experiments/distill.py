@@ -137,14 +137,31 @@ def source_key(source: str) -> dict:
     resolved = resolve_source(source)
     if getattr(resolved, "builtin", None) is not None:
         return {}
+    if hasattr(resolved, "files"):
+        files = list(resolved.files)
+    else:  # a nanoGPT token file, or a folder of train.bin and val.bin
+        files = sorted(resolved.path.glob("*.bin")) if resolved.path.is_dir() else [resolved.path]
+    stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return {"source_sha256": _content_hash(source, stats)}
+
+
+@functools.lru_cache(maxsize=None)
+def _content_hash(source: str, stats: tuple) -> str:
+    """The hash of a source's files, read once per (files, sizes, modification times) in a process."""
+    from lintrans.train.data import resolve_source
+
+    resolved = resolve_source(source)
     if hasattr(resolved, "fingerprint"):
-        return {"source_sha256": resolved.fingerprint()}
-    import hashlib  # a nanoGPT token file, or a folder of train.bin and val.bin
+        return resolved.fingerprint()
+    import hashlib
 
     h = hashlib.sha256()
-    for path in sorted(resolved.path.glob("*.bin")) if resolved.path.is_dir() else [resolved.path]:
-        h.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
-    return {"source_sha256": h.hexdigest()}
+    for path, _, _ in stats:
+        h.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
 
 
 def map_spec(s: dict, teacher: dict, fmap: str, lr: float) -> dict:

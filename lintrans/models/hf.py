@@ -199,8 +199,8 @@ def _read_shards(index: Path) -> dict:
         raise ValueError(f"{index} has no 'weight_map' (tensor name -> shard file)")
     state = {}
     for shard in dict.fromkeys(weight_map.values()):
-        if not isinstance(shard, str) or Path(shard).name != shard:
-            raise ValueError(f"{index} names a shard {shard!r} that is not a file name beside it")
+        if not isinstance(shard, str) or Path(shard).name != shard or shard.endswith(".index.json"):
+            raise ValueError(f"{index} names a shard {shard!r} that is not a weights file beside it")
         if not (index.parent / shard).is_file():
             raise ValueError(f"{index} names the shard {shard}, which is missing from {index.parent}")
         state.update(_read_tensors(index.parent / shard))

@@ -29,6 +29,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from lintrans._io import FileLock
 from lintrans._platform import cache_dir
 from lintrans.checks import check_choice, check_number
 
@@ -250,6 +251,8 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # a folder's usual mode: mkdtemp's 0700 would become the entry's
     n_tokens = n_docs = 0
+    alive = FileLock(tmp / ".lock", warn=False)  # held while this folder is in use: see _remove_abandoned
+    alive.acquire()
     try:
         with open(tmp / "tokens.bin", "wb") as f, tqdm(
             desc=f"tokenising {source.spec}", unit="doc", disable=not progress
@@ -275,6 +278,7 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
             if not (entry / "meta.json").is_file():  # another process did not win the race: real error
                 raise
     finally:
+        alive.release()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -284,8 +288,10 @@ ABANDONED_AFTER_S = 60
 
 def _remove_abandoned(folder: Path) -> None:
     """Remove the temporary folders of tokenisations killed before they finished (kill -9, a lost
-    machine): those made on this host by a process that no longer runs, untouched for a minute.
-    Anything else (another host's, a live process's, a recent one, a name we did not make) stays."""
+    machine): those made on this host by a process that no longer runs, untouched for a minute, whose
+    lock (held by a live tokenisation, whatever its pid namespace) can be taken. Anything else
+    (another host's, a live process's, a recent one, one on a file system without locks, a name we
+    did not make) stays."""
     if os.name != "posix":
         return
     host, now = socket.gethostname(), time.time()
@@ -297,8 +303,16 @@ def _remove_abandoned(folder: Path) -> None:
             newest = max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
         except OSError:  # removed meanwhile
             continue
-        if now - newest >= ABANDONED_AFTER_S:
-            shutil.rmtree(path, ignore_errors=True)
+        if now - newest < ABANDONED_AFTER_S:
+            continue
+        lock = FileLock(path / ".lock", blocking=False, warn=False)
+        try:
+            if lock.acquire() and lock.held:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            lock.release()
 
 
 def _pid_alive(pid: int) -> bool:

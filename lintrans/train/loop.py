@@ -304,14 +304,19 @@ class _Run:
     def lock(self) -> None:
         """Rank 0 holds the run folder's lock for the whole run: a second run on the same folder (a
         relaunch while the first still runs, e.g. workers left by a killed torchrun) would mix its
-        metrics and checkpoints with the first's."""
-        if not self.info.is_main or self._lock is not None or not self.out_dir.is_dir():
-            return
-        lock = FileLock(self.out_dir / LOCK_NAME, blocking=False)
-        if not lock.acquire():
-            raise ValueError(f"train.out_dir {self.out_dir} is in use by another run ({lock.holder()}); wait for "
-                             "it to finish, stop it, or pick another out_dir")
-        self._lock = lock
+        metrics and checkpoints with the first's. Collective: every rank calls it, and every rank
+        raises when the folder is taken (the others would otherwise wait in their next collective)."""
+        holder = None
+        if self.info.is_main and self._lock is None and self.out_dir.is_dir():
+            lock = FileLock(self.out_dir / LOCK_NAME, blocking=False)
+            if lock.acquire():
+                self._lock = lock
+            else:
+                holder = lock.holder()
+        holder = gather_objects(self.info, holder)[0]  # rank 0's answer
+        if holder is not None:
+            raise ValueError(f"train.out_dir {self.out_dir} is in use by another run ({holder}); wait for it to "
+                             "finish, stop it, or pick another out_dir")
 
     def unlock(self) -> None:
         if self._lock is not None:
@@ -442,13 +447,19 @@ class _Run:
         cfg, info, g = self.cfg, self.info, self.gpt_config
         self.train_config = {**cfg.to_dict(), "model": g.to_dict()}
         self.log = None
+        if info.is_main:
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # name the key, not only the path
+                raise ValueError(f"train.out_dir {str(self.out_dir)!r} cannot be created: {e.strerror or e}") from None
+        self.lock()  # a folder new since plan(): locked now (every rank takes part)
+        late = info.is_main and self.found is None and ckpt.find_checkpoint(self.out_dir) is not None
+        if gather_objects(info, late)[0]:
+            # another run made the folder and saved into it meanwhile: this one would start over on top
+            raise ValueError(f"train.out_dir {self.out_dir} got a checkpoint from another run while this one "
+                             "started; run the command again to continue it, or pick another out_dir")
         if not info.is_main:
             return
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # name the key, not only the path
-            raise ValueError(f"train.out_dir {str(self.out_dir)!r} cannot be created: {e.strerror or e}") from None
-        self.lock()  # a new folder
         write_resolved(cfg, g, self.out_dir / "config.yaml")
         self.log = MetricsLog(self.out_dir, self.step, self.say)
         self.say(f"model: {g.attention} attention, {self.model.get_num_params() / 1e6:.2f}M parameters "

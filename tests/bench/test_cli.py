@@ -463,3 +463,28 @@ def test_generate_has_room_for_as_many_repeats_as_asked():
     caps = Caps(time_s=10.0, repeats=300, budget_s=1e9, retimes=1)
     (point,) = run_generate([8], caps, size="4L-128", decoders=("linear",))
     assert point.status == "ok" and len(point.times_s) == 300, point.status
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["loss", "--dtype", "bfloat16"], "--dtype applies to bench ops, not loss"),
+    (["loss", "--forward-only"], "--forward-only applies to bench ops, not loss"),
+    (["generate", "--forms", "chunked"], "--forms applies to bench train, not generate"),
+    (["ops", "--sizes", "4L-128"], "--sizes applies to bench train and generate, not ops"),
+    (["generate", "--sizes", "4L-128", "12L-128"], "--sizes: generate measures one model size, got 2"),
+])
+def test_options_a_benchmark_does_not_read_are_refused(argv, message, capsys, monkeypatch):
+    from lintrans.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "run_benchmark", lambda *a, **k: pytest.fail("ran"))
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_options_at_their_default_and_bench_all_take_every_option(monkeypatch):
+    from lintrans.bench import cli as bench_cli
+
+    ran = []
+    monkeypatch.setattr(bench_cli, "run_benchmark", lambda which, *a, **k: ran.append(which))
+    assert main(["bench", "loss", "--dtype", "float32", "--T", "256"]) == 0  # the default changes nothing
+    assert main(["bench", "all", "--dtype", "bfloat16", "--forms", "chunked", "--T", "256"]) == 0
+    assert ran == ["loss", *bench_cli.BENCHMARKS]

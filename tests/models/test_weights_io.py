@@ -341,6 +341,9 @@ def test_sharded_huggingface_folders_load(tmp_path, monkeypatch, safe):
     (snap / sorted(set(shards.values()))[-1]).unlink()
     with pytest.raises(ValueError, match=r"names the shard .*-of-.*, which is missing"):
         load_model(snap)
+    (snap / index).write_text(json.dumps({"weight_map": {"a": index}}))  # itself: not a weights file
+    with pytest.raises(ValueError, match="that is not a weights file beside it"):
+        load_model(snap)
 
 
 def test_damaged_nanogpt_checkpoints_and_hf_configs_fail_in_one_line(tmp_path):

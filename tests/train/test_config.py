@@ -159,9 +159,15 @@ def test_a_flag_for_a_key_inside_a_table_is_its_set(capsys):
     assert "form: state_loop" in out and "feature_map: relu" in out
     assert main(["train", "--model.attention", "linear", "--model.attention_options.nope", "1", "--print-config"]) == 2
     assert "unknown attention_options ['nope']" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # no value: argparse's error, naming the flag
-        main(["train", "--model.attention_options.form"])
-    assert "--model.attention_options.form" in capsys.readouterr().err
+    for argv in (["--model.attention_options.form"], ["--model.attention_options.form", "--train.max_steps", "3"]):
+        with pytest.raises(SystemExit):  # no value (the next flag is not one): argparse's error, naming the flag
+            main(["train", *argv])
+        assert "unrecognized arguments: --model.attention_options.form" in capsys.readouterr().err
+    # the whole table and a key inside it apply in the order given
+    for first, then, want in (("relu", "elu", "elu"), ("elu", "relu", "relu")):
+        assert main(["train", "--model.attention", "linear", "--model.attention_options", f'{{"feature_map": "{first}"}}',
+                     "--model.attention_options.feature_map", then, "--print-config"]) == 0
+        assert f"feature_map: {want}" in capsys.readouterr().out
 
 
 def test_print_config_takes_options_that_build_tensors(capsys):

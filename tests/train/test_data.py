@@ -62,6 +62,8 @@ def test_a_killed_tokenisations_folder_is_removed_by_the_next_and_nothing_else(t
         "other host": f"{key}.tmp-{host}x-{gone.pid}-abc_3",
         "not ours": f"{key}.tmp-somefolder",
         "killed, but written to a moment ago": f"{'1' * 20}.tmp-{host}-{gone.pid}-abc_4",
+        # a live tokenisation whose pid means nothing here (another pid namespace): its lock tells
+        "locked by a live process": f"{'2' * 20}.tmp-{host}-{gone.pid}-abc_5",
     }
     for what, name in folders.items():
         (cache / name).mkdir()
@@ -69,9 +71,18 @@ def test_a_killed_tokenisations_folder_is_removed_by_the_next_and_nothing_else(t
         if "moment ago" not in what:
             for p in (cache / name / "tokens.bin", cache / name):
                 os.utime(p, (old, old))
+    from lintrans._io import FileLock
+
+    live = FileLock(cache / folders["locked by a live process"] / ".lock")
+    live.acquire()
+    for p in (cache / folders["locked by a live process"] / ".lock", cache / folders["locked by a live process"]):
+        os.utime(p, (old, old))
     f = tmp_path / "a.txt"
     f.write_text("some text to tokenise")
-    entry = D.Path(prepare(str(f), cache).meta["cache"])
+    try:
+        entry = D.Path(prepare(str(f), cache).meta["cache"])
+    finally:
+        live.release()
     left = {p.name for p in cache.iterdir()}
     assert left == {entry.name} | set(folders.values()) - {folders["killed"]}
 

@@ -18,8 +18,9 @@ def losses(out_dir):
     return [r["loss"] for r in rows], [r["val_loss"] for r in rows if "val_loss" in r]
 
 
-def torchrun(cfg, nproc: int = 2) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc -m lintrans train`` with every key of ``cfg`` on the command line."""
+def torchrun(cfg, nproc: int = 2, ok: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc -m lintrans train`` with every key of ``cfg`` on the command line
+    (``ok``: it must succeed)."""
     args = []
     for key, value in cfg.to_dict()["train"].items():
         if value is not None:
@@ -34,7 +35,7 @@ def torchrun(cfg, nproc: int = 2) -> subprocess.CompletedProcess:
          "-m", "lintrans", "train", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0 or not ok, proc.stderr[-3000:]
     return proc
 
 
@@ -112,3 +113,23 @@ def test_context_parallel_matches_one_process(tiny_config, attention, nproc, par
     (train_1, val_1), (train_2, val_2) = losses(single.train.out_dir), losses(cp.train.out_dir)
     assert len(train_1) == len(train_2) == 20 and len(val_2) == 2
     assert train_2 == pytest.approx(train_1, rel=1e-5) and val_2 == pytest.approx(val_1, rel=1e-5)
+
+
+def test_a_folder_in_use_stops_every_rank_with_one_message(tiny_config):
+    """Rank 0 finds the run folder locked; every rank must stop with the message (the others used to
+    go on into their next collective and fail there, or wait)."""
+    from lintrans._io import FileLock
+    from lintrans.train.loop import LOCK_NAME
+
+    cfg = tiny_config(**{"train.max_steps": 2})
+    os.makedirs(cfg.train.out_dir)
+    held = FileLock(os.path.join(cfg.train.out_dir, LOCK_NAME), blocking=False)
+    assert held.acquire()
+    try:
+        proc = torchrun(cfg, ok=False)
+    finally:
+        held.release()
+    assert proc.returncode != 0
+    message = f"is in use by another run (pid {os.getpid()})"
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]  # both ranks, one line each
+    assert "Connection closed by peer" not in proc.stderr

@@ -93,6 +93,19 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tiny_config, tmp_path):
     assert train(tiny_config(**{"train.stop_after_steps": 1})).step == 2  # killed holder: lock gone
 
 
+def test_a_file_system_without_locks_trains_without_one(tiny_config, monkeypatch):
+    """Lustre's noflock, NFS without lockd: flock fails with ENOSYS/ENOLCK; the run goes on, warned."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="has no file locks"):
+        assert train(tiny_config(**{"train.max_steps": 1})).step == 1
+
+
 def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now.*to continue that run, pass "

@@ -223,6 +223,8 @@ def eager_only(fn):
     """``torch.compiler.disable(fn)`` (torch.compile runs ``fn`` eagerly, a graph break: it cannot trace
     a ctypes call), made only once torch._dynamo is loaded. Decorating at import would load it: as
     long again as importing torch, for every process, though only a compiling one needs it."""
+    if "torch._dynamo" in sys.modules:  # loaded already: the plain decorator, and its own error messages
+        return torch.compiler.disable(fn)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
