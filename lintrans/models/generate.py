@@ -13,7 +13,7 @@ def check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
     check_number("temperature", temperature, low=0)  # 0 = greedy
     check_number("top_k", top_k, integer=True, low=1, allow_none=True)
     check_number("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
-    check_number("seed", seed, integer=True, allow_none=True)
+    check_number("seed", seed, integer=True, allow_none=True, low=-(2**63), high=2**64 - 1)  # torch's generator's range
 
 
 def sample_next(
@@ -26,7 +26,9 @@ def sample_next(
     """logits [B, V] -> next token ids [B, 1]."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # the row's largest logit first: a tiny temperature would otherwise turn logits into inf - inf = nan
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B,1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -195,7 +195,7 @@ class GPT(nn.Module):
         self._check_length(past + idx.shape[1])
         # the id range is read back only on the CPU: on an accelerator it would be a host sync per
         # forward, and there an out-of-range id fails in the embedding, on the device
-        if (check_ids and reads_values(idx.device)
+        if (check_ids and reads_values(idx.device) and idx.numel()
                 and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size)):
             raise ValueError(
                 f"token ids must be in [0, {self.config.vocab_size - 1}] (vocab_size {self.config.vocab_size}), "

@@ -8,6 +8,7 @@ n_kv_head key/value heads, each key/value head shared by n_head // n_kv_head que
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -72,8 +73,7 @@ class QKVAttention(nn.Module):
         )
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
-        B, T = o.shape[:2]
-        return self.resid_dropout(self.c_proj(o.reshape(B, T, -1)))  # [B,T,C]
+        return self.resid_dropout(self.c_proj(o.flatten(2)))  # [B,T,C] (flatten: B = 0 works too)
 
     def repeat_kv(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         groups = self.n_head // self.n_kv_head
@@ -113,6 +113,17 @@ def check_options(name: str, options: dict, schema: type) -> dict:
     for key, value in options.items():
         set_key(typed, key, value, label=lambda k: f"attention_options[{k!r}]")
     return dataclasses.asdict(typed)
+
+
+@contextlib.contextmanager
+def options_checked_by_op(name: str):
+    """Around an op's own check of a layer's options: its ValueError/TypeError names the option bare
+    (``block_size must be ...``, which reads like GPTConfig.block_size); say it is one of
+    ``attention_options`` of ``name``."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"attention_options of {name!r}: {e}") from None
 
 
 class KVCache:

@@ -15,7 +15,7 @@ import torch
 
 from lintrans.ops.bigbird import bigbird_attention, bigbird_mask
 
-from .attention import KVCache, QKVAttention, check_options
+from .attention import KVCache, QKVAttention, check_options, options_checked_by_op
 from .registry import register_attention
 
 
@@ -37,7 +37,8 @@ class BigBirdAttention(QKVAttention):
         super().__init__(config)
         self.opts = check_options("bigbird", config.attention_options, self.Options)
         self.pattern = {k: self.opts[k] for k in ("block_size", "window_blocks", "global_blocks", "random_blocks", "seed")}
-        bigbird_mask(1, **self.pattern)  # checks the options now, not at the first forward
+        with options_checked_by_op("bigbird"):
+            bigbird_mask(1, **self.pattern)  # checks the options now, not at the first forward
 
     def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, use_cache: bool = False):
         q, k, v = self.qkv(x)

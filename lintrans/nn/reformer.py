@@ -22,7 +22,7 @@ import torch.nn as nn
 from lintrans.checks import check_number
 from lintrans.ops.lsh import check_lsh_options, lsh_attention, lsh_buckets, lsh_mask, shared_qk_attention
 
-from .attention import KVCache, QKVAttention, check_options
+from .attention import KVCache, QKVAttention, check_options, options_checked_by_op
 from .registry import register_attention
 
 
@@ -69,7 +69,8 @@ class ReformerAttention(QKVAttention):
         self.c_attn = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)  # qk and v
         opts = check_options("reformer", config.attention_options, self.Options)
         self.lsh = {k: opts[k] for k in ("n_buckets", "n_hashes", "chunk_size", "seed")}
-        check_lsh_options(causal=True, lookback="window", **self.lsh)
+        with options_checked_by_op("reformer"):
+            check_lsh_options(causal=True, lookback="window", **self.lsh)
         check_number("attention_options['scale']", opts["scale"], allow_none=True)
         self.scale = 1.0 / math.sqrt(self.head_dim) if opts["scale"] is None else float(opts["scale"])
 

@@ -24,7 +24,7 @@ from lintrans.ops.sliding_window import (
     sliding_window_step,
 )
 
-from .attention import QKVAttention, check_options
+from .attention import QKVAttention, check_options, options_checked_by_op
 from .registry import register_attention
 
 
@@ -72,7 +72,8 @@ class SlidingWindowAttention(QKVAttention):
         super().__init__(config)
         opts = check_options("sliding-window", config.attention_options, self.Options)
         self.window, self.dilation, self.scale = opts["window"], opts["dilation"], opts["scale"]
-        g = global_positions(opts["global_tokens"], None)
+        with options_checked_by_op("sliding-window"):
+            g = global_positions(opts["global_tokens"], None)
         self.global_tokens = None if g is None or g.numel() == 0 else g.tolist()
         if self.global_tokens is not None:
             width = config.n_head * self.head_dim

@@ -220,8 +220,9 @@ def lsh_attention(
     # the self pair: query slot t of a chunk is key slot t of the same chunk; every row keeps this
     # finite entry (padded slots included), so no row is all -inf. Every round holds it: log R off,
     # as for any pair that R rounds allow, so that it counts once
-    self_pair = torch.zeros(c, len(reach) * c, dtype=torch.bool, device=qk.device)
-    self_pair[:, reach.index(0) * c:][:, :c].fill_diagonal_(True)
+    # built without writing into a view: torch.compile's functionalisation refuses that
+    col = torch.arange(len(reach) * c, device=qk.device)  # [Kc]
+    self_pair = col[None, :] == torch.arange(c, device=qk.device)[:, None] + reach.index(0) * c  # [c, Kc]
     s = s.masked_fill(self_pair, SELF_SCORE - math.log(R))
     p = s.softmax(dim=-1)
     o = p @ _gather(vals, k_pos)  # [B,H,R,n,c,Dv]

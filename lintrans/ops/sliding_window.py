@@ -80,7 +80,8 @@ def global_positions(global_tokens, T: Optional[int], device=None) -> Optional[t
             )
         idx = idx.long().flatten()
         if idx.numel() and (idx.min() < 0 or (T is not None and idx.max() >= T)):
-            raise ValueError(f"global_tokens positions must lie in [0, {T}), got {idx.tolist()}")
+            where = f"lie in [0, {T})" if T is not None else "be >= 0"
+            raise ValueError(f"global_tokens positions must {where}, got {idx.tolist()}")
     idx = torch.unique(idx)  # sorted
     return idx.to(device) if device is not None else idx
 

@@ -118,6 +118,21 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert torch.equal(streamed, a)
 
 
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """logits / 1e-38 overflow float32 to inf, and softmax of inf - inf is nan (multinomial failed)."""
+    logits = torch.randn(3, 50) * 7
+    for t in (1e-38, 1e-45, 1e-30):
+        assert torch.equal(sample_next(logits, t), logits.argmax(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("attention", available_attention())
+def test_an_empty_batch_runs(attention):
+    options = {"block_size": 4} if attention == "bigbird" else {}
+    model = GPT(tiny(attention=attention, attention_options=options))
+    logits, _ = model(torch.zeros(0, 5, dtype=torch.long))
+    assert logits.shape == (0, 5, model.config.vocab_size)
+
+
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
     g = torch.Generator().manual_seed(0)
@@ -146,6 +161,7 @@ def test_generation_bad_input():
         (dict(max_new_tokens=2, temperature=-1), "temperature"),
         (dict(max_new_tokens=2, top_k=0), "top_k"),
         (dict(max_new_tokens=2, top_p=1.5), "top_p"),
+        (dict(max_new_tokens=2, seed=2**64), "seed"),  # past what torch's generator takes
     ):
         with pytest.raises(ValueError, match=match):
             model.generate(prompt[:, :3], **kw)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lintrans.models import GPTConfig
+from lintrans.models import GPT, GPTConfig
 from lintrans.nn import get_attention
 from lintrans.ops.linear import linear_attention_reference
 from lintrans.ops.softmax import softmax_attention_reference
@@ -203,7 +203,7 @@ def test_reformer_layer_is_the_op_on_its_shared_projection_and_checks_options():
     qk, v = (x @ layer.c_attn.weight.T + layer.c_attn.bias).reshape(2, 23, 2, 2, 8).unbind(2)
     want = layer.out(lsh_attention_reference(qk, v, causal=True, lookback="window", **opts))
     torch.testing.assert_close(layer(x)[0], want, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="n_buckets must be 1 or an even int"):
+    with pytest.raises(ValueError, match="attention_options of 'reformer': n_buckets must be 1 or an even int"):
         get_attention("reformer")(cfg.replace(attention_options={"n_buckets": 5}))
     with pytest.raises(ValueError, match="n_kv_head must be None or n_head"):
         get_attention("reformer")(cfg.replace(n_kv_head=1))
@@ -274,3 +274,19 @@ def test_train_config_checks_the_options_of_its_mechanism(tmp_path, capsys):
     assert main(["train", "--set", "model.attention=sliding-window", "--set", "model.attention_options.window=3",
                  "--print-config"]) == 0
     assert "window: 3" in capsys.readouterr().out
+
+
+def test_a_reformer_gpt_compiles():
+    """torch.compile's functionalisation refused the in-place write into a view of the self-pair mask."""
+    torch._dynamo.reset()
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=11, attention="reformer",
+                    attention_options={"n_buckets": 4, "n_hashes": 2, "chunk_size": 4})
+    model = GPT(cfg)
+    idx = torch.randint(0, 11, (2, 20))
+    torch.testing.assert_close(torch.compile(model, backend="aot_eager")(idx)[0], model(idx)[0])
+
+
+def test_options_an_op_checks_are_named_as_attention_options():
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=11)
+    with pytest.raises(ValueError, match="attention_options of 'bigbird': block_size must be an int >= 1"):
+        GPT(cfg.replace(attention="bigbird", attention_options={"block_size": 0}))
