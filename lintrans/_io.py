@@ -82,7 +82,16 @@ class FileLock:
             import fcntl
         except ImportError:
             return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | cloexec, 0o666)
+        except OSError as e:  # a read-only mount, another user's folder: an existing file locks read-only
+            if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise
+            try:
+                fd = os.open(self.path, os.O_RDONLY | cloexec)
+            except OSError:
+                return self._without(e)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -92,10 +101,7 @@ class FileLock:
             os.close(fd)
             if e.errno not in _NO_LOCKS:
                 raise
-            if self.warn:
-                warnings.warn(f"{self.path.parent}: this file system has no file locks ({e.strerror}); going on "
-                              "without the lock", stacklevel=2)
-            return True
+            return self._without(e)
         except BaseException:
             os.close(fd)
             raise
@@ -105,6 +111,13 @@ class FileLock:
             os.write(fd, f"{os.getpid()}\n".encode())
         except OSError:
             pass
+        return True
+
+    def _without(self, e: OSError) -> bool:
+        """Go on without the lock (where none can be had), warned."""
+        if self.warn:
+            warnings.warn(f"{self.path.parent}: no file lock can be had here ({e.strerror}); going on without it",
+                          stacklevel=3)
         return True
 
     @property

@@ -80,7 +80,7 @@ def _nested_keys(parser: argparse.ArgumentParser, command: str | None, argv: lis
         # a key inside a table, or the whole table given beside such keys: all become --set, so that
         # they apply in the order given (flags would apply after every --set)
         if table(word) or (flag in tables):
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] not in known:
                 value, i = argv[i + 1], i + 1
             elif not eq:  # no value: leave it for argparse to report
                 out.append(word)

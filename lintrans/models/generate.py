@@ -24,7 +24,7 @@ def sample_next(
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """logits [B, V] -> next token ids [B, 1]."""
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or one that float32 cannot divide by: greedy
         return logits.argmax(dim=-1, keepdim=True)
     # the row's largest logit first: a tiny temperature would otherwise turn logits into inf - inf = nan
     logits = logits.float()

@@ -252,8 +252,8 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
     os.chmod(tmp, 0o777 & ~umask)  # a folder's usual mode: mkdtemp's 0700 would become the entry's
     n_tokens = n_docs = 0
     alive = FileLock(tmp / ".lock", warn=False)  # held while this folder is in use: see _remove_abandoned
-    alive.acquire()
     try:
+        alive.acquire()
         with open(tmp / "tokens.bin", "wb") as f, tqdm(
             desc=f"tokenising {source.spec}", unit="doc", disable=not progress
         ) as bar:
@@ -307,12 +307,12 @@ def _remove_abandoned(folder: Path) -> None:
             continue
         lock = FileLock(path / ".lock", blocking=False, warn=False)
         try:
-            if lock.acquire() and lock.held:
-                shutil.rmtree(path, ignore_errors=True)
+            abandoned = lock.acquire() and lock.held
         except OSError:
-            pass
-        finally:
-            lock.release()
+            abandoned = False
+        lock.release()  # before the removal: NFS keeps an open file, and so its folder, alive
+        if abandoned:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:

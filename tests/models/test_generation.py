@@ -121,7 +121,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 def test_a_tiny_temperature_is_greedy_not_nan():
     """logits / 1e-38 overflow float32 to inf, and softmax of inf - inf is nan (multinomial failed)."""
     logits = torch.randn(3, 50) * 7
-    for t in (1e-38, 1e-45, 1e-30):
+    for t in (1e-38, 1e-45, 1e-30, 1e-46, 1e-300):
         assert torch.equal(sample_next(logits, t), logits.argmax(-1, keepdim=True))
 
 

@@ -102,8 +102,26 @@ def test_a_file_system_without_locks_trains_without_one(tiny_config, monkeypatch
         raise OSError(errno.ENOSYS, "Function not implemented")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    with pytest.warns(UserWarning, match="has no file locks"):
+    with pytest.warns(UserWarning, match="no file lock can be had here"):
         assert train(tiny_config(**{"train.max_steps": 1})).step == 1
+
+
+def test_a_finished_run_on_a_read_only_folder_says_so(tiny_config, monkeypatch):
+    """A read-only mount or another user's finished run: the lock file cannot be opened for writing."""
+    import errno
+
+    from lintrans import _io
+
+    train(tiny_config(**{"train.max_steps": 1}))
+    real_open = os.open
+
+    def read_only(path, flags, *a):
+        if flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(_io.os, "open", read_only)
+    assert train(tiny_config(**{"train.max_steps": 1})).stopped == "already_done"
 
 
 def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
