@@ -149,7 +149,7 @@ def test_global_rows_use_their_own_projections():
         ("aft-conv", {"kernel": 1.5}, TypeError, "kernel'\\] must be an int >= 1"),
         ("aft-full", {"per_head": "yes"}, TypeError, "per_head'\\] must be a bool"),
         ("sliding-window", {"dilation": 0}, ValueError, "dilation'\\] must be an int >= 1"),
-        ("sliding-window", {"global_tokens": [-2]}, ValueError, "positions must lie"),
+        ("sliding-window", {"global_tokens": [-2]}, ValueError, "global_tokens positions must be >= 0"),
     ],
 )
 def test_bad_options(attention, opts, err, match):
