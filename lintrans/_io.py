@@ -71,8 +71,8 @@ _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 class FileLock:
     """An exclusive fcntl lock on ``path`` (created if absent), held from ``acquire`` to ``release`` (or
     while in a ``with``); the system drops it when the process dies, however it dies. Where no lock
-    can be had (no fcntl, a file system without locks, a lock file that cannot be opened) ``acquire``
-    returns True, warned, and ``held`` is False."""
+    can be had (no fcntl; warned: a file system without locks, a lock file that cannot be opened)
+    ``acquire`` returns True and ``held`` is False."""
 
     def __init__(self, path, *, blocking: bool = True, warn: bool = True):
         self.path, self.blocking, self.warn, self.fd = Path(path), blocking, warn, None
