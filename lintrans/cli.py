@@ -67,6 +67,7 @@ def _nested_keys(parser: argparse.ArgumentParser, command: str | None, argv: lis
     known = {o for a in target._actions for o in a.option_strings} if target is not None else set()
     if "--set" not in known:
         return argv
+
     def table(word):  # "--model.attention_options" of "--model.attention_options.form[=x]", else None
         parts = word.partition("=")[0][2:].split(".") if word.startswith("--") else []
         name = f"--{parts[0]}.{parts[1]}" if len(parts) > 2 and all(parts) else None
