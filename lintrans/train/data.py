@@ -120,8 +120,11 @@ class TokenSource:
     presplit: bool
 
 
-def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "train", hf_column: str = "text"):
-    """Turn a source spec (see module doc) into a TextSource or TokenSource; clear errors if absent/empty."""
+def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "train", hf_column: str = "text",
+                   exclude=()):
+    """Turn a source spec (see module doc) into a TextSource or TokenSource; clear errors if absent/empty.
+    ``exclude``: folders whose files a folder or glob source leaves out (a run's own cache and output:
+    they would otherwise become part of its data)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"data.source must be a non-empty string, got {spec!r}")
     check_choice("data.bin_dtype", bin_dtype, BIN_DTYPES)
@@ -135,16 +138,19 @@ def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "tra
         return TextSource(spec, hf=(name, config or None), hf_split=hf_split, hf_column=hf_column)
     path = Path(spec).expanduser()
     dtype = np.dtype(BIN_DTYPES[bin_dtype])
-    if any(c in spec for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-        if not files:
-            raise FileNotFoundError(f"data.source glob {spec!r} matches no files")
-    elif path.is_dir():
+    excluded = [Path(e).expanduser().resolve() for e in exclude if e is not None]
+
+    def kept(p: Path) -> bool:
+        real = p.resolve()
+        return not any(real == e or e in real.parents for e in excluded)
+
+    # an existing file or folder is itself, whatever characters its name holds ("notes[v2].txt")
+    if path.is_dir():
         if (path / "train.bin").is_file() and (path / "val.bin").is_file():
             return TokenSource(spec, path, dtype, presplit=True)
         files = sorted(
             p for p in path.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts) and kept(p)
         )
         if not files:
             raise ValueError(f"data.source folder {path} holds no files")
@@ -152,10 +158,19 @@ def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "tra
         if path.suffix == ".bin":
             return TokenSource(spec, path, dtype, presplit=False)
         files = [path]
+    elif any(c in spec for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file() and kept(Path(p)))
+        if not files:
+            raise FileNotFoundError(f"data.source glob {spec!r} matches no files")
     else:
         raise FileNotFoundError(f"data.source {spec!r}: no such file or folder")
-    if all(f.suffix == ".bin" for f in files) and len(files) == 1:
+    bins = [f for f in files if f.suffix == ".bin"]
+    if bins and len(files) == 1:
         return TokenSource(spec, files[0], dtype, presplit=False)
+    if bins:  # token files are not text, and several are not one token stream either
+        raise ValueError(f"data.source {spec!r} holds {len(files)} files, {len(bins)} of them .bin token files "
+                         f"(e.g. {bins[0]}): give one .bin file, a folder with train.bin and val.bin, or text "
+                         "files only (a glob like 'DIR/**/*.txt')")
     return TextSource(spec, files=files)
 
 
@@ -192,6 +207,9 @@ def _load_hf(source: TextSource):
 # ---- tokenised data --------------------------------------------------------------------------
 
 
+IDENTITY_SAMPLES, IDENTITY_SPAN = 256, 4096  # places and bytes per place that TokenData.identity hashes
+
+
 @dataclass
 class TokenData:
     """Train and validation token arrays (read-only memmaps) plus where they came from."""
@@ -201,13 +219,26 @@ class TokenData:
     vocab_size: int
     meta: dict
 
+    def identity(self) -> dict:
+        """What a checkpoint records of its data, for a resume to check: the split sizes and a hash of
+        the tokens at IDENTITY_SAMPLES evenly spaced places in each split (a few MB read whatever the
+        size; not the cache key, which names a path for the embedded corpus)."""
+        h = hashlib.sha256()
+        for arr in (self.train, self.val):
+            n = len(arr)
+            span = max(1, IDENTITY_SPAN // max(arr.itemsize, 1))
+            starts = sorted({(n - span) * i // (IDENTITY_SAMPLES - 1) for i in range(IDENTITY_SAMPLES)}) if n > span else [0]
+            for start in starts:
+                h.update(np.ascontiguousarray(arr[start:start + span]).tobytes())
+        return {"train_tokens": int(len(self.train)), "val_tokens": int(len(self.val)), "sample_sha256": h.hexdigest()}
+
     def check_block_size(self, block_size: int) -> None:
         for split, arr in (("training", self.train), ("validation", self.val)):
             if len(arr) < block_size + 1:
                 raise ValueError(
                     f"the {split} split of {self.meta['source']!r} has {len(arr)} tokens, fewer than "
                     f"block_size + 1 = {block_size + 1}; use more data, a smaller block_size"
-                    + (" or a larger data.val_fraction" if split == "validation" else "")
+                    + (" or a larger data.val_fraction" if split == "validation" and "val_fraction" in self.meta else "")
                 )
 
 
@@ -233,8 +264,14 @@ def prepare_data(
     if not (entry / "meta.json").is_file():
         _tokenize_to_cache(source, tokenizer, dtype, entry, progress)
     meta = json.loads((entry / "meta.json").read_text())
+    size = (entry / "tokens.bin").stat().st_size if (entry / "tokens.bin").is_file() else None
+    if size != meta.get("tokens", -1) * dtype.itemsize:  # written whole and renamed: only a disk or a hand did this
+        raise ValueError(f"the token cache entry {entry} is damaged (tokens.bin holds {size} bytes, meta.json "
+                         f"says {meta.get('tokens')} tokens of {dtype.itemsize} bytes): delete that folder and "
+                         "run again to tokenise anew")
     tokens = np.memmap(entry / "tokens.bin", dtype=dtype, mode="r")
-    return _split(tokens, tokenizer.vocab_size, val_fraction, {**meta, "cache": str(entry)})
+    # the spec of this run: another that named the same content differently made the entry
+    return _split(tokens, tokenizer.vocab_size, val_fraction, {**meta, "source": source.spec, "cache": str(entry)})
 
 
 def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Path, progress: bool) -> None:

@@ -179,8 +179,11 @@ def _check_resume(path: Path, saved: dict, cfg: TrainConfig, gpt_dict: dict) -> 
     diffs = [f"model.{k}: {saved['config']['model'].get(k)!r} in checkpoint, {v!r} now"
              for k, v in gpt_dict.items() if saved["config"].get("model", {}).get(k) != v]
     old_data = saved["train_config"].get("data", {})
+    # a checkpoint that records its data's content is checked by content once the data is read
+    # (load_data): the same file spelt another way is the same data, a changed file is not
+    keys = ("tokenizer", "val_fraction", "bin_dtype") + (() if "data" in saved["trainer_state"] else ("source",))
     diffs += [f"data.{k}: {old_data.get(k)!r} in checkpoint, {getattr(cfg.data, k)!r} now"
-              for k in ("source", "tokenizer", "val_fraction", "bin_dtype") if old_data.get(k) != getattr(cfg.data, k)]
+              for k in keys if old_data.get(k) != getattr(cfg.data, k)]
     if cfg.data.source.startswith("hf:"):  # which split and column are the text (keys older checkpoints lack)
         diffs += [f"data.{k}: {old_data[k]!r} in checkpoint, {getattr(cfg.data, k)!r} now"
                   for k in ("hf_split", "hf_text_column") if k in old_data and old_data[k] != getattr(cfg.data, k)]
@@ -389,8 +392,11 @@ class _Run:
 
     def load_data(self) -> None:
         cfg, info = self.cfg, self.info
-        source = resolve_source(cfg.data.source, bin_dtype=cfg.data.bin_dtype,
-                                hf_split=cfg.data.hf_split, hf_column=cfg.data.hf_text_column)
+        from .data import default_cache_dir
+
+        cache = cfg.data.cache_dir if cfg.data.cache_dir is not None else default_cache_dir()
+        source = resolve_source(cfg.data.source, bin_dtype=cfg.data.bin_dtype, hf_split=cfg.data.hf_split,
+                                hf_column=cfg.data.hf_text_column, exclude=(cache, self.out_dir))
         data: TokenData | None = None
         if info.is_main:  # rank 0 tokenises; the others then hit the cache
             data = prepare_data(source, self.tokenizer, val_fraction=cfg.data.val_fraction,
@@ -400,6 +406,13 @@ class _Run:
             data = prepare_data(source, self.tokenizer, val_fraction=cfg.data.val_fraction,
                                 cache_dir=cfg.data.cache_dir, progress=False)
         data.check_block_size(self.block)
+        recorded = self.saved["trainer_state"].get("data") if self.saved is not None else None
+        if recorded is not None and recorded != data.identity():
+            raise ValueError(
+                f"data.source {cfg.data.source!r} is not the data checkpoint {self.found} was trained on (its "
+                f"content changed: {recorded['train_tokens'] + recorded['val_tokens']:,} tokens then, "
+                f"{len(data.train) + len(data.val):,} now, or other tokens); "
+                "resuming would draw windows from other text. Restore that data, or start a new train.out_dir")
         self.data = data
 
     def build(self) -> None:
@@ -532,7 +545,7 @@ class _Run:
         if info.is_main:
             state = {"step": self.step, "tokens": self.tokens, "time_s": self.elapsed,
                      "lr": lr_at(max(self.step - 1, 0), self.cfg), "world_size": info.world_size,
-                     "sampler": self.sampler.state_dict(), "rng": rng,
+                     "sampler": self.sampler.state_dict(), "rng": rng, "data": self.data.identity(),
                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
             ckpt.save_checkpoint(self.out_dir, self.model, self.optimizer, state, self.train_config,
                                  {"tokenizer": self.tokenizer.name}, model_state, optimizer_state)

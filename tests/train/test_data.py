@@ -101,6 +101,55 @@ def test_folder_and_glob_sources(tmp_path):
     assert BYTES.decode(np.concatenate([d.train, d.val]).tolist()) == "bbbaaa"
 
 
+def test_a_name_with_glob_characters_is_the_file_it_names(tmp_path):
+    (tmp_path / "notes[v2].txt").write_text("mine")
+    (tmp_path / "notes2.txt").write_text("not mine")  # what the spec would match as a glob
+    assert [p.name for p in D.resolve_source(str(tmp_path / "notes[v2].txt")).files] == ["notes[v2].txt"]
+
+
+def test_several_token_files_are_refused_not_read_as_text(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("s1.bin", "s2.bin"):
+        np.arange(100, dtype=np.uint16).tofile(shards / name)
+    for spec in (str(shards), str(shards / "*.bin")):
+        with pytest.raises(ValueError, match=r"holds 2 files, 2 of them .bin token files"):
+            D.resolve_source(spec)
+
+
+def test_a_runs_own_cache_and_output_are_not_its_data(tmp_path):
+    """A folder source that holds the run's cache or out_dir would read its tokens, checkpoints and
+    logs as text (growing with every run)."""
+    data = tmp_path / "proj"
+    (data / "docs").mkdir(parents=True)
+    (data / "docs" / "a.txt").write_text("some text")
+    (data / "cache" / "abc").mkdir(parents=True)
+    (data / "cache" / "abc" / "meta.json").write_text("{}")
+    (data / "runs" / "r1").mkdir(parents=True)
+    (data / "runs" / "r1" / "train.log").write_text("log")
+    got = D.resolve_source(str(data), exclude=(data / "cache", data / "runs" / "r1"))
+    assert [p.name for p in got.files] == ["a.txt"]
+    got = D.resolve_source(str(data / "**" / "*"), exclude=(data / "cache", data / "runs" / "r1"))
+    assert [p.name for p in got.files] == ["a.txt"]
+
+
+def test_a_damaged_cache_entry_is_named(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("some text to tokenise")
+    entry = D.Path(prepare(str(f), tmp_path / "c").meta["cache"])
+    with open(entry / "tokens.bin", "r+b") as t:
+        t.truncate(5)  # odd: not a whole number of uint16 tokens
+    with pytest.raises(ValueError, match=r"token cache entry .* is damaged .*delete that folder"):
+        prepare(str(f), tmp_path / "c")
+
+
+def test_the_data_line_names_this_runs_spec(tmp_path):
+    (tmp_path / "a.txt").write_text("the same text")
+    prepare(str(tmp_path / "a.txt"), tmp_path / "c")
+    os_path = str(tmp_path / "." / "a.txt")
+    assert prepare(os_path, tmp_path / "c").meta["source"] == os_path
+
+
 def test_missing_and_empty_sources(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         D.resolve_source(str(tmp_path / "nope.txt"))

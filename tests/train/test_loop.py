@@ -124,6 +124,20 @@ def test_a_finished_run_on_a_read_only_folder_says_so(tiny_config, monkeypatch):
     assert train(tiny_config(**{"train.max_steps": 1})).stopped == "already_done"
 
 
+def test_a_resume_checks_the_data_by_content_not_by_spelling(tiny_config, text_file):
+    """A changed data file would give the saved sampler other text: refused. The same file named
+    another way (./a.txt, an absolute path) is the same data: resumed."""
+    train(tiny_config(**{"train.stop_after_steps": 2}))
+    same = os.path.relpath(text_file, os.getcwd())
+    assert train(tiny_config(**{"data.source": same, "train.stop_after_steps": 1})).step == 3
+    original = text_file.read_text()
+    text_file.write_text(original[len(original) // 2:] + original[: len(original) // 2])  # same length, moved
+    with pytest.raises(ValueError, match=r"is not the data checkpoint .* was trained on .*other tokens"):
+        train(tiny_config())
+    text_file.write_text(original)
+    assert train(tiny_config()).step == 6
+
+
 def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now.*to continue that run, pass "
