@@ -138,9 +138,15 @@ def resolve_source(spec: str, *, bin_dtype: str = "uint16", hf_split: str = "tra
         return TextSource(spec, hf=(name, config or None), hf_split=hf_split, hf_column=hf_column)
     path = Path(spec).expanduser()
     dtype = np.dtype(BIN_DTYPES[bin_dtype])
-    excluded = [Path(e).expanduser().resolve() for e in exclude if e is not None]
+    # only folders strictly inside the source's root: a source inside the cache or out_dir is the user's
+    fixed = Path(*[part for part in path.parts[:next((i for i, part in enumerate(path.parts)
+                                                      if any(c in part for c in "*?[")), len(path.parts))]])
+    root = (path if path.is_dir() else fixed).resolve()
+    excluded = [e for e in (Path(x).resolve() for x in exclude if x is not None) if root in e.parents]
 
     def kept(p: Path) -> bool:
+        if not excluded:
+            return True
         real = p.resolve()
         return not any(real == e or e in real.parents for e in excluded)
 
@@ -266,9 +272,9 @@ def prepare_data(
     meta = json.loads((entry / "meta.json").read_text())
     size = (entry / "tokens.bin").stat().st_size if (entry / "tokens.bin").is_file() else None
     if size != meta.get("tokens", -1) * dtype.itemsize:  # written whole and renamed: only a disk or a hand did this
-        raise ValueError(f"the token cache entry {entry} is damaged (tokens.bin holds {size} bytes, meta.json "
-                         f"says {meta.get('tokens')} tokens of {dtype.itemsize} bytes): delete that folder and "
-                         "run again to tokenise anew")
+        held = "no tokens.bin" if size is None else f"tokens.bin holds {size} bytes"
+        raise ValueError(f"the token cache entry {entry} is damaged ({held}, meta.json says {meta.get('tokens')} "
+                         f"tokens of {dtype.itemsize} bytes): delete that folder and run again to tokenise anew")
     tokens = np.memmap(entry / "tokens.bin", dtype=dtype, mode="r")
     # the spec of this run: another that named the same content differently made the entry
     return _split(tokens, tokenizer.vocab_size, val_fraction, {**meta, "source": source.spec, "cache": str(entry)})

@@ -179,11 +179,10 @@ def _check_resume(path: Path, saved: dict, cfg: TrainConfig, gpt_dict: dict) -> 
     diffs = [f"model.{k}: {saved['config']['model'].get(k)!r} in checkpoint, {v!r} now"
              for k, v in gpt_dict.items() if saved["config"].get("model", {}).get(k) != v]
     old_data = saved["train_config"].get("data", {})
-    # a checkpoint that records its data's content is checked by content once the data is read
-    # (load_data): the same file spelt another way is the same data, a changed file is not
-    keys = ("tokenizer", "val_fraction", "bin_dtype") + (() if "data" in saved["trainer_state"] else ("source",))
     diffs += [f"data.{k}: {old_data.get(k)!r} in checkpoint, {getattr(cfg.data, k)!r} now"
-              for k in keys if old_data.get(k) != getattr(cfg.data, k)]
+              for k in ("source", "tokenizer", "val_fraction", "bin_dtype") if old_data.get(k) != getattr(cfg.data, k)
+              and not (k == "source" and _same_path(old_data.get(k), cfg.data.source))]
+    # the content of the same source is checked once it is read (load_data): a file may have changed
     if cfg.data.source.startswith("hf:"):  # which split and column are the text (keys older checkpoints lack)
         diffs += [f"data.{k}: {old_data[k]!r} in checkpoint, {getattr(cfg.data, k)!r} now"
                   for k in ("hf_split", "hf_text_column") if k in old_data and old_data[k] != getattr(cfg.data, k)]
@@ -193,6 +192,13 @@ def _check_resume(path: Path, saved: dict, cfg: TrainConfig, gpt_dict: dict) -> 
             f"--config {path.parent / 'config.yaml'} (the config it was started with); for a new run, a new "
             "train.out_dir"
         )
+
+
+def _same_path(old, new) -> bool:
+    """Whether two data.source specs name one local file or folder (``./a.txt`` and ``a.txt``)."""
+    if not isinstance(old, str) or ":" in old.split("/")[0] or ":" in new.split("/")[0]:  # builtin:, hf:
+        return False
+    return Path(old).resolve() == Path(new).resolve()
 
 
 # keys a resumed run may change on purpose (a longer run, another schedule), but never silently
@@ -407,12 +413,17 @@ class _Run:
                                 cache_dir=cfg.data.cache_dir, progress=False)
         data.check_block_size(self.block)
         recorded = self.saved["trainer_state"].get("data") if self.saved is not None else None
-        if recorded is not None and recorded != data.identity():
-            raise ValueError(
-                f"data.source {cfg.data.source!r} is not the data checkpoint {self.found} was trained on (its "
-                f"content changed: {recorded['train_tokens'] + recorded['val_tokens']:,} tokens then, "
-                f"{len(data.train) + len(data.val):,} now, or other tokens); "
-                "resuming would draw windows from other text. Restore that data, or start a new train.out_dir")
+        if isinstance(recorded, dict) and recorded != data.identity():
+            then = (f"{recorded.get('train_tokens', 0) + recorded.get('val_tokens', 0):,} tokens then, "
+                    f"{len(data.train) + len(data.val):,} now, or other tokens")
+            if cfg.data.source.startswith("builtin:"):  # read from the installed Python and NumPy: another
+                self.say(f"resume: the embedded corpus differs from the checkpoint's ({then}: another Python "
+                         "or NumPy); going on with this one")
+            else:
+                raise ValueError(
+                    f"data.source {cfg.data.source!r} is not the data checkpoint {self.found} was trained on (its "
+                    f"content changed: {then}); resuming would draw windows from other text. Restore that data, "
+                    "or start a new train.out_dir")
         self.data = data
 
     def build(self) -> None:

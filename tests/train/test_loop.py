@@ -138,6 +138,40 @@ def test_a_resume_checks_the_data_by_content_not_by_spelling(tiny_config, text_f
     assert train(tiny_config()).step == 6
 
 
+def test_another_source_is_refused_before_it_is_read_and_sources_may_live_in_the_run(tiny_config, tmp_path,
+                                                                                      monkeypatch):
+    from lintrans.train import loop
+
+    train(tiny_config(**{"train.stop_after_steps": 1}))
+    (tmp_path / "other.txt").write_text("other text " * 300)
+    monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: pytest.fail("read before the refusal"))
+    with pytest.raises(ValueError, match=r"data.source: .* in checkpoint, .*other.txt' now"):
+        train(tiny_config(**{"data.source": str(tmp_path / "other.txt")}))
+    monkeypatch.undo()
+    # a data folder inside the cache folder or the run's folder is the user's data, not theirs to leave out
+    corpus = tmp_path / "scratch" / "corpus"
+    corpus.mkdir(parents=True)
+    (corpus / "a.txt").write_text("some text to train on " * 200)
+    for key in ("data.cache_dir", "train.out_dir"):
+        cfg = tiny_config(f"run-{key}", **{"data.source": str(corpus), key: str(tmp_path / "scratch"),
+                                           "train.max_steps": 1})
+        assert train(cfg).step == 1
+
+
+def test_a_changed_embedded_corpus_is_reported_not_refused(tiny_config, capsys):
+    """The embedded corpus is read from the installed Python and NumPy: on another machine it differs."""
+    cfg = tiny_config(**{"data.source": "builtin:python-docs", "data.cache_dir": "none", "train.stop_after_steps": 1})
+    train(cfg)
+    state = cfg.train.out_dir + "/checkpoint/trainer_state.json"
+    saved = json.loads(open(state).read())
+    saved["data"]["sample_sha256"] = "0" * 64  # as if made with another Python
+    open(state, "w").write(json.dumps(saved))
+    capsys.readouterr()
+    assert train(tiny_config(**{"data.source": "builtin:python-docs", "data.cache_dir": "none",
+                                "train.stop_after_steps": 1})).step == 2
+    assert "resume: the embedded corpus differs from the checkpoint's" in capsys.readouterr().err
+
+
 def test_bad_checkpoints_fail_before_training(tiny_config, tmp_path):
     train(tiny_config(**{"train.stop_after_steps": 1}))
     with pytest.raises(ValueError, match="model.n_layer: 1 in checkpoint, 2 now.*to continue that run, pass "
