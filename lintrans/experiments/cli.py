@@ -112,8 +112,8 @@ def resolve(mod, args: argparse.Namespace, quick: bool, setting: Optional[str] =
     presets = getattr(mod, "PRESETS", {})
     if setting is not None:
         if not presets:
-            raise ValueError(f"--setting: {mod.NAME} has no named settings (only "
-                             f"{', '.join(n for n in STUDIES if getattr(importlib.import_module(f'lintrans.experiments.{n}'), 'PRESETS', None))} have them)")
+            have = [n for n in STUDIES if getattr(importlib.import_module(f"lintrans.experiments.{n}"), "PRESETS", None)]
+            raise ValueError(f"--setting: {mod.NAME} has no named settings (only {', '.join(have)} have them)")
         check_choice(f"--setting for {mod.NAME}", setting, sorted(presets))
     for key, value in (presets[setting].items() if setting is not None else ()):
         set_key(settings, key, value, label=setting_label)

@@ -603,7 +603,7 @@ def plot(record: dict, out) -> list:
     plt = study.pyplot()
     mechs, contexts = s["mechanisms"], s["contexts"]
     info = record["corpus"]
-    setting = (f"{s['n_layer']} layer{'s' if s['n_layer'] != 1 else ''}, width {s['n_embd']}, {s['tokens_per_update']} tokens/update, "
+    setting = (f"{study.layers(s['n_layer'])}, width {s['n_embd']}, {s['tokens_per_update']} tokens/update, "
                f"{s['steps']} updates,\nbytes of the Python {info['python']} stdlib source "
                f"(held-out files, {s['val_tokens']} bytes)")
     colors = {m: f"C{i}" for i, m in enumerate(mechs)}

@@ -383,7 +383,7 @@ def plot(record: dict, out) -> list:
     s, summ = record["settings"], record["summary"]
     plt = study.pyplot()
     maps = list(summ["maps"])
-    setting = (f"teacher: softmax GPT, {s['n_layer']} layer{'s' if s['n_layer'] != 1 else ''}, width {s['n_embd']}, T={s['context']}, "
+    setting = (f"teacher: softmax GPT, {study.layers(s['n_layer'])}, width {s['n_embd']}, T={s['context']}, "
                f"{s['teacher_steps']} updates; fine-tune {s['finetune_steps']} updates")
     paths = []
 

@@ -288,7 +288,7 @@ def plot(record: dict, out) -> list:
     trained = f" (trained on {_mixture(s)})" if _mixture(s) else ""
     # two lines: one panel's figure is too narrow for it on one
     setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs{trained},\nvocabulary {s['vocab_size']}, "
-               f"{s['n_layer']} layer{'s' if s['n_layer'] != 1 else ''}, {s['steps']} steps of {s['batch_size']}")
+               f"{study.layers(s['n_layer'])}, {s['steps']} steps of {s['batch_size']}")
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.8))

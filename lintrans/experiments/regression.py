@@ -210,7 +210,7 @@ def plot(record: dict, out) -> list:
     out = Path(out)
     s, summ = record["settings"], record["summary"]
     plt = study.pyplot()
-    setting = (f"n={s['dim']}, {s['n_layer']} layer{'s' if s['n_layer'] != 1 else ''}, width {s['n_embd']}, no position embeddings, "
+    setting = (f"n={s['dim']}, {study.layers(s['n_layer'])}, width {s['n_embd']}, no position embeddings, "
                f"{s['steps']} steps of {s['batch_size']} (curriculum over the first {s['curriculum']:.0%})")
     styles = {"least_squares": "k--", "averaging": "k-.", "3-nearest-neighbours": "k:", "zero": None}
     paths = []

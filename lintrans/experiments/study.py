@@ -611,6 +611,11 @@ def resolve_settings(default: dict, changes: dict) -> dict:
     return dataclasses.asdict(settings)
 
 
+def layers(n: int) -> str:
+    """'1 layer', '2 layers': for the setting lines of the plots."""
+    return f"{n} layer{'' if n == 1 else 's'}"
+
+
 def style(ax, xlabel: str, ylabel: str, title: str = None) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

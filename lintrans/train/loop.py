@@ -412,8 +412,9 @@ class _Run:
             data = prepare_data(source, self.tokenizer, val_fraction=cfg.data.val_fraction,
                                 cache_dir=cfg.data.cache_dir, progress=False)
         data.check_block_size(self.block)
+        self.data_identity = data.identity()  # recorded with every checkpoint
         recorded = self.saved["trainer_state"].get("data") if self.saved is not None else None
-        if isinstance(recorded, dict) and recorded != data.identity():
+        if isinstance(recorded, dict) and recorded != self.data_identity:
             then = (f"{recorded.get('train_tokens', 0) + recorded.get('val_tokens', 0):,} tokens then, "
                     f"{len(data.train) + len(data.val):,} now, or other tokens")
             if cfg.data.source.startswith("builtin:"):  # read from the installed Python and NumPy: another
@@ -556,7 +557,7 @@ class _Run:
         if info.is_main:
             state = {"step": self.step, "tokens": self.tokens, "time_s": self.elapsed,
                      "lr": lr_at(max(self.step - 1, 0), self.cfg), "world_size": info.world_size,
-                     "sampler": self.sampler.state_dict(), "rng": rng, "data": self.data.identity(),
+                     "sampler": self.sampler.state_dict(), "rng": rng, "data": self.data_identity,
                      "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
             ckpt.save_checkpoint(self.out_dir, self.model, self.optimizer, state, self.train_config,
                                  {"tokenizer": self.tokenizer.name}, model_state, optimizer_state)
