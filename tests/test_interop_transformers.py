@@ -235,6 +235,134 @@ def test_a_layer_with_its_own_forward_hook_is_patched_around_it(calls):
     assert isinstance(layer.__dict__["forward"], functools.partial)
 
 
+def _gdn_layers(model):
+    return [model.model.layers[i].linear_attn for i in (0, 2)]
+
+
+def test_threads_running_a_patched_and_an_unpatched_model_at_once(calls):
+    """Each layer call waits for the other thread's, so the two models' layers run at the same time: the
+    unpatched one must still run transformers' function, and nothing stays swapped afterwards (a swap
+    of the module's globals per call got both wrong)."""
+    import functools
+    import threading
+
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    ids = torch.randint(0, 97, (1, 30), generator=gen(9))
+    with torch.no_grad():
+        ref_model, ref_other = model(ids).logits, other(ids).logits
+    barrier = threading.Barrier(2, timeout=120)
+
+    def in_step(module, *args, **kwargs):
+        barrier.wait()
+        return type(module).forward(module, *args, **kwargs)
+
+    for layer in _gdn_layers(model) + _gdn_layers(other):
+        layer.forward = functools.partial(in_step, layer)
+    patch_qwen3_next(model)
+    out, errors = {}, []
+
+    def run(name, m):
+        try:
+            with torch.no_grad():
+                out[name] = m(ids).logits
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=a) for a in (("model", model), ("other", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert calls["delta_rule"] == 2  # the patched model's two layers, not the other's
+    assert_close(out["model"], ref_model, 1e-4, "patched model's logits")
+    assert torch.equal(out["other"], ref_other)  # transformers' own function, bit for bit
+    unpatch_qwen3_next(model)
+    for layer in _gdn_layers(model) + _gdn_layers(other):
+        layer.forward = functools.partial(type(layer).forward, layer)
+    with torch.no_grad():
+        model(ids), other(ids)
+    assert calls["delta_rule"] == 2  # nothing left running ours
+
+
+def test_a_compiled_patched_model_runs_ours(calls):
+    """torch.compile reads the layers' globals as it traces: the patched model must still reach ours."""
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 20), generator=gen(10))
+    with torch.no_grad():
+        ref = model(ids).logits
+        patch_qwen3_next(model)
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(model, backend="eager")(ids).logits
+        finally:
+            torch._dynamo.reset()
+    assert calls["delta_rule"] == 2
+    assert_close(got, ref, 1e-4, "compiled logits")
+
+
+def test_a_hook_installed_after_patching_survives_unpatch(calls):
+    """accelerate's add_hook_to_module after patching keeps ours as its _old_forward: unpatch leaves the
+    hook's chain whole (ours then calls through), its remove_hook_from_module leaves a working layer, and
+    patching again runs ours again."""
+    import functools
+
+    model = tiny_model()
+    layer = model.model.layers[0].linear_attn
+    ids = torch.randint(0, 97, (1, 20), generator=gen(11))
+    with torch.no_grad():
+        ref = model(ids).logits
+    patch_qwen3_next(model)
+    seen = []
+
+    def hooked(module, *args, **kwargs):  # accelerate's new_forward, in short
+        seen.append(1)
+        return module._old_forward(*args, **kwargs)
+
+    layer._old_forward = layer.forward
+    layer.forward = functools.partial(hooked, layer)
+    assert unpatch_qwen3_next(model) == 2
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)  # transformers' functions again
+    assert seen == [1] and calls["delta_rule"] == 0
+    layer.forward = layer._old_forward  # remove_hook_from_module
+    del layer._old_forward
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+    assert patch_qwen3_next(model) == 2
+    with torch.no_grad():
+        assert_close(model(ids).logits, ref, 1e-4, "patched again")
+    assert calls["delta_rule"] == 2
+
+
+def test_a_saved_patched_model_loads_and_runs_ours(calls, monkeypatch):
+    """torch.save / pickle of a patched model (its layers' forward stored by name), loaded where the
+    module's functions are transformers' own again, as in a new process."""
+    import io
+    import pickle
+
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 20), generator=gen(12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    patch_qwen3_next(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    for name in interop._GLOBAL_NAMES:  # a fresh process: no dispatcher installed yet
+        monkeypatch.setattr(qwen3_next, name, getattr(qwen3_next, name).__wrapped__)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = pickle.loads(pickle.dumps(model))
+    with torch.no_grad():
+        assert_close(loaded(ids).logits, ref, 1e-4, "loaded logits")
+        assert_close(twin(ids).logits, ref, 1e-4, "unpickled logits")
+    assert calls["delta_rule"] == 4
+    assert unpatch_qwen3_next(loaded) == 2
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+
+
 def test_unpatch_and_context_manager_restore_transformers(calls):
     model, other = tiny_model(), tiny_model()
     ids = torch.randint(0, 97, (1, 20), generator=gen(6))

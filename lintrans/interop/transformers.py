@@ -15,8 +15,9 @@ transformers is imported by the caller, never here: this module only reads the l
 """
 from __future__ import annotations
 
+import functools
 import sys
-import types
+import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional, Tuple
 
@@ -125,28 +126,72 @@ def _is_gated_deltanet(module: torch.nn.Module) -> bool:
             and all(hasattr(defining, name) for name in _GLOBAL_NAMES))
 
 
+# Layers that call module globals (transformers 5): each of the two globals becomes, once, a dispatcher
+# that runs ours while a patched layer's forward runs in this thread and transformers' function
+# otherwise. The dispatchers stay for the process (for every other caller they are transformers'
+# functions), so nothing is swapped per call: threads, torch.compile (which reads globals as it traces)
+# and unpatched models of the same class all see one fixed function.
+_running = threading.local()  # .on: a patched layer's forward is running in this thread
+_install_lock = threading.Lock()
+
+
+def _dispatcher(original, ours):
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        if getattr(_running, "on", False):
+            return ours(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    dispatch._lintrans_dispatch = True
+    return dispatch
+
+
+def _install_dispatchers(defining) -> None:
+    if all(getattr(getattr(defining, name), "_lintrans_dispatch", False) for name in _GLOBAL_NAMES):
+        return
+    with _install_lock:
+        for name, ours in zip(_GLOBAL_NAMES, (chunk_gated_delta_rule, recurrent_gated_delta_rule)):
+            current = getattr(defining, name)
+            if not getattr(current, "_lintrans_dispatch", False):
+                setattr(defining, name, _dispatcher(current, ours))
+
+
 def _patched_forward(self, *args, **kwargs):
-    """The layer's class forward with the defining module's two functions swapped for ours during the
-    call (the layers look them up as globals at call time). Bound to the layer as a method, so a copy of
-    the model (``copy.deepcopy``) runs its own weights. Not for a patched and an unpatched model of one
-    family running at once in two threads: the swap is per Python module."""
-    defining = sys.modules[type(self).__module__]
-    own = self.__dict__[_MARK][1]  # an instance forward that was there first (e.g. accelerate's offloading hook)
-    saved = [getattr(defining, name) for name in _GLOBAL_NAMES]
-    for name, fn in zip(_GLOBAL_NAMES, (chunk_gated_delta_rule, recurrent_gated_delta_rule)):
-        setattr(defining, name, fn)
+    """A patched layer's forward: the forward it had (an instance-level one such as accelerate's
+    offloading hook, else the class's) with ours dispatched to during the call. Set on the layer as
+    ``functools.partial(_patched_forward, layer)``, which ``copy.deepcopy`` rebinds to the copy and
+    pickle stores by name. After ``unpatch_qwen3_next`` it stays only where a hook installed later keeps it
+    in its chain, and then just calls through."""
+    mark = self.__dict__.get(_MARK)
+    own = mark["own"] if mark is not None else None
+    call = own if own is not None else functools.partial(type(self).forward, self)
+    if mark is None or not mark["on"]:
+        return call(*args, **kwargs)
+    _install_dispatchers(sys.modules[type(self).__module__])  # also after unpickling in a new process
+    before = getattr(_running, "on", False)
+    _running.on = True
     try:
-        return own(*args, **kwargs) if own is not None else type(self).forward(self, *args, **kwargs)
+        return call(*args, **kwargs)
     finally:
-        for name, fn in zip(_GLOBAL_NAMES, saved):
-            setattr(defining, name, fn)
+        _running.on = before
+
+
+def _is_ours(forward, module) -> bool:
+    return (isinstance(forward, functools.partial) and forward.func is _patched_forward
+            and forward.args[:1] == (module,))
+
+
+def _active(module) -> bool:
+    mark = module.__dict__.get(_MARK)
+    return mark is not None and mark["on"]
 
 
 def patch_qwen3_next(model: torch.nn.Module) -> int:
     """Make every Gated DeltaNet layer of ``model`` (a transformers Qwen3-Next-family model, or one such
     layer) run ``lintrans.ops.delta_rule``; returns how many layers it patched (already patched ones
     count, and stay as they are). Raises ValueError when ``model`` has none. ``unpatch_qwen3_next`` undoes
-    it. Other models of the same class are not affected."""
+    it. Other models of the same class are not affected, also when they run at the same time in other
+    threads."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     count = 0
@@ -154,17 +199,20 @@ def patch_qwen3_next(model: torch.nn.Module) -> int:
         if not _is_gated_deltanet(module):
             continue
         count += 1
-        if hasattr(module, _MARK):
+        mark = module.__dict__.get(_MARK)
+        if mark is not None:  # patched, or unpatched under a later hook that still calls ours: on again
+            mark["on"] = True
             continue
         if all(hasattr(module, name) for name in _ATTRIBUTE_NAMES):  # the layer calls its own attributes
             saved = {name: module.__dict__.get(name) for name in _ATTRIBUTE_NAMES}
             module.chunk_gated_delta_rule = chunk_gated_delta_rule
             module.recurrent_gated_delta_rule = recurrent_gated_delta_rule
-            setattr(module, _MARK, ("attributes", saved))
+            setattr(module, _MARK, {"kind": "attributes", "saved": saved, "on": True})
         else:  # the layer calls module-level functions
+            _install_dispatchers(sys.modules[type(module).__module__])
             own = module.__dict__.get("forward")  # kept, called inside ours and restored by unpatch
-            setattr(module, _MARK, ("forward", own))
-            module.forward = types.MethodType(_patched_forward, module)
+            setattr(module, _MARK, {"kind": "forward", "own": own, "on": True})
+            module.forward = functools.partial(_patched_forward, module)
     if count == 0:
         raise ValueError(f"model ({type(model).__name__}) has no Gated DeltaNet layer (a Qwen3-Next-family "
                          "layer calling torch_chunk_gated_delta_rule) to patch")
@@ -173,36 +221,39 @@ def patch_qwen3_next(model: torch.nn.Module) -> int:
 
 def unpatch_qwen3_next(model: torch.nn.Module) -> int:
     """Undo ``patch_qwen3_next``: the layers call transformers' functions again. Returns how many it
-    restored."""
+    restored. A forward hook installed on a layer after it was patched (accelerate's, say) stays; ours
+    then only calls through it."""
     count = 0
     for module in model.modules():
         mark = module.__dict__.get(_MARK)
-        if mark is None:
+        if mark is None or not mark["on"]:
             continue
-        kind, saved = mark
-        if kind == "attributes":
-            for name, fn in saved.items():
+        count += 1
+        if mark["kind"] == "attributes":
+            for name, fn in mark["saved"].items():
                 if fn is None:
                     delattr(module, name)
                 else:
                     setattr(module, name, fn)
-        elif saved is None:
+        elif not _is_ours(module.__dict__.get("forward"), module):
+            mark["on"] = False  # a later hook wraps ours: leave its chain whole
+            continue
+        elif mark["own"] is None:
             del module.forward
         else:
-            module.forward = saved
+            module.forward = mark["own"]
         delattr(module, _MARK)
-        count += 1
     return count
 
 
 @contextmanager
 def patched_qwen3_next(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``patch_qwen3_next(model)`` inside the block only (layers patched before it stay patched)."""
-    before = {id(m) for m in model.modules() if hasattr(m, _MARK)}
+    before = {id(m) for m in model.modules() if _active(m)}
     patch_qwen3_next(model)
     try:
         yield model
     finally:
         for module in model.modules():
-            if id(module) not in before and hasattr(module, _MARK):
+            if id(module) not in before and _active(module):
                 unpatch_qwen3_next(module)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import warnings
 
@@ -26,9 +25,13 @@ def reads_values(device: torch.device) -> bool:
 _NOTHING = contextlib.nullcontext()  # reusable: a decoding step asks once per layer and token
 
 
-@functools.lru_cache(maxsize=None)
+_AUTOCAST_AVAILABLE: dict = {}  # a plain dict, not lru_cache: torch.compile traces it without a warning
+
+
 def _has_autocast(kind: str) -> bool:
-    return torch.amp.is_autocast_available(kind)
+    if kind not in _AUTOCAST_AVAILABLE:
+        _AUTOCAST_AVAILABLE[kind] = torch.amp.is_autocast_available(kind)
+    return _AUTOCAST_AVAILABLE[kind]
 
 
 def autocast_off(device: torch.device):
