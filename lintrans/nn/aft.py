@@ -110,6 +110,8 @@ class _AFT(QKVAttention):
         if cache is None:
             o = aft(q, k, v, causal=True, **kw)
             return self.out(o), (self._new_cache(k, v) if use_cache else None)
+        if not use_cache and isinstance(cache, KVCache):  # appends go to a copy: the caller's cache stays
+            cache = KVCache(cache.k, cache.v)
         outs = []
         for t in range(x.shape[1]):  # decoding: one token at a time against the cache
             o, cache = self._step(q[:, t], k[:, t], v[:, t], cache)

@@ -130,15 +130,32 @@ class KVCache:
     """Keys and values seen so far, [B, Hkv, L, D], in buffers that grow by doubling.
 
     Appending writes in place (amortised O(1) per token instead of a full copy per token), so a
-    cache must not be shared between two continuations.
+    cache must not be shared between two continuations. Where autograd records the keys or values
+    (decoding with gradients), it appends by concatenation instead: an in-place write would change
+    tensors that earlier steps saved for backward.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self._k, self._v, self.length = k, v, k.shape[2]
 
+    def check(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """ValueError unless k, v [B, Hkv, t, D] continue this cache (same B, heads and D)."""
+        ck, cv = self._k.shape, self._v.shape
+        if (k.dim() != 4 or v.dim() != 4 or k.shape[:2] != ck[:2] or v.shape[:2] != cv[:2] or k.shape[3] != ck[3]
+                or v.shape[3] != cv[3] or k.shape[2] != v.shape[2]):
+            raise ValueError(
+                f"cache: it holds keys {list(self.k.shape)} and values {list(self.v.shape)} [B, Hkv, L, D]; "
+                f"keys {list(k.shape)} and values {list(v.shape)} do not continue it (the same B, heads and D are "
+                "needed: a batch of another size needs its own cache)")
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.check(k, v)
         t = k.shape[2]
         need = self.length + t
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, self._k, self._v)):
+            self._k, self._v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+            self.length = need
+            return
         if need > self._k.shape[2]:
             cap = max(need, 2 * self._k.shape[2])
             self._k, self._v = self._grow(self._k, cap), self._grow(self._v, cap)

@@ -121,6 +121,9 @@ def causal_conv(u: torch.Tensor, weight: torch.Tensor, prev: Optional[torch.Tens
     K = weight.shape[-1]
     if prev is None:
         prev = u.new_zeros(B, K - 1, W)
+    elif tuple(prev.shape) != (B, K - 1, W):
+        raise ValueError(f"cache: the convolution's last inputs are {list(prev.shape)} [B, K-1, W]; this input "
+                         f"needs {[B, K - 1, W]} (a batch of another size needs its own cache)")
     full = torch.cat([prev.to(u.dtype), u], dim=1)  # [B, K-1+T, W]
     y = F.conv1d(full.transpose(1, 2), weight, groups=W).transpose(1, 2)  # [B,T,W]
     return y, full[:, full.shape[1] - (K - 1):]
@@ -185,6 +188,8 @@ class DeltaNet(QKVAttention):
 
     def forward(self, x: torch.Tensor, cache=None, use_cache: bool = False):
         B, T, _ = x.shape
+        if T < 1:
+            raise ValueError("sequence length T must be at least 1")
         conv_prev, S = (None, None) if cache is None else cache
         u = self.c_attn(x)  # [B,T,W]
         if self.conv is not None:

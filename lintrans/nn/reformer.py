@@ -34,6 +34,9 @@ class LSHCache(KVCache):
         self._b = buckets
 
     def append(self, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor) -> None:
+        self.check(k, v)
+        if buckets.shape[:3] != k.shape[:3] or buckets.shape[3] != self._b.shape[3]:
+            raise ValueError(f"cache: buckets {list(buckets.shape)} do not continue {list(self.buckets.shape)}")
         need = self.length + k.shape[2]
         if need > self._b.shape[2]:
             self._b = self._grow(self._b, max(need, 2 * self._b.shape[2]))

@@ -150,7 +150,7 @@ def _aft_causal(k, v, logw):
     w_range = lw.amax(-1) - lw.masked_fill(~causal, float("inf")).amin(-1)  # [Hw,T]
     kd = k.detach()
     gap = kd.amax(dim=2, keepdim=True) - torch.cummax(kd, dim=2).values  # [B,H,T,D]
-    if k.numel() == 0 or float((gap.amax(-1) + w_range).max()) < UNDERFLOW_GAP[k.dtype]:
+    if k.numel() == 0 or k.device.type == "meta" or float((gap.amax(-1) + w_range).max()) < UNDERFLOW_GAP[k.dtype]:
         return _aft_dense(k, v, logw.masked_fill(~causal, float("-inf")))
     return _aft_causal_chunked(k, v, logw)
 
@@ -556,14 +556,16 @@ def aft_window_step(
     _check_one_d(D, Dv)
     W = _band_width(variant, pos_bias, window)
     if not isinstance(state, AFTWindowState) or state.ring_k.shape != (B, H, W, D):
-        raise ValueError(f"state must be an AFTWindowState with a ring of shape {[B, H, W, D]} (from aft_window_state)")
+        got = f"a ring {list(state.ring_k.shape)}" if isinstance(state, AFTWindowState) else type(state).__name__
+        raise ValueError(f"state must be an AFTWindowState with a ring of shape {[B, H, W, D]} (from aft_window_state), "
+                         f"got {got}")
     p = state.pos
     _check_variant_args(variant, pos_bias, None if variant == "conv" else window, p + 1, H)
     num, den, m = state.num, state.den, state.m
     slot = p % W
     ring_k, ring_v = state.ring_k.clone(), state.ring_v.clone()
     if p >= W:  # position p - W leaves the window: fold it into the unbiased sums
-        k_old, v_old = ring_k[:, :, slot], ring_v[:, :, slot]
+        k_old, v_old = ring_k[:, :, slot].clone(), ring_v[:, :, slot].clone()  # the slot is overwritten below
         m_new = torch.maximum(m, k_old)
         decay, e = torch.exp(m - m_new), torch.exp(k_old - m_new)
         num, den, m = num * decay + e * v_old, den * decay + e, m_new

@@ -415,7 +415,9 @@ def sliding_window_step(
     ):
         raise ValueError(
             f"cache must be a SlidingWindowCache with rings of shape {[B, H, R, Dk]} and {[B, H, R, Dv]} in {dtype} "
-            "(same window, dilation and batch as the calls that built it)"
+            "(same window, dilation and batch as the calls that built it), got "
+            + (f"rings {list(cache.ring_k.shape)} and {list(cache.ring_v.shape)} in {cache.ring_k.dtype}"
+               if isinstance(cache, SlidingWindowCache) else type(cache).__name__)
         )
     p = cache.pos
     qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)

@@ -1,0 +1,103 @@
+"""The decoding cache of every attention layer, as a library user meets it: gradients through
+token-by-token decoding, use_cache=False leaving a cache as it was, a cache of another batch refused,
+the meta device, an empty sequence."""
+import pytest
+import torch
+
+from lintrans.models import GPTConfig
+from lintrans.nn import available_attention, get_attention
+
+# small structure so that T = 12 crosses windows, blocks, buckets and chunks
+SMALL = {
+    "sliding-window": {"window": 4},
+    "aft-local": {"window": 4},
+    "aft-conv": {"kernel": 4},
+    "bigbird": {"block_size": 2, "window_blocks": 3, "global_blocks": 1, "random_blocks": 1},
+    "reformer": {"n_buckets": 4, "chunk_size": 4},
+    "linear": {"chunk_size": 4},
+    "retention": {"chunk_size": 4},
+    "gated-linear": {"chunk_size": 4},
+    "cosformer": {"chunk_size": 4},
+    "deltanet": {"chunk_size": 4},
+    "gated-deltanet": {"chunk_size": 4},
+}
+NAMES = sorted(available_attention())
+
+
+def layer_of(name, dtype=torch.float64, device="cpu"):
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=32, vocab_size=16, attention=name,
+                       attention_options=SMALL.get(name, {}), dropout=0.0)
+    with torch.device(device):
+        return get_attention(name)(config).to(dtype)
+
+
+def decode(layer, x, prefill):
+    """The layer's output for x: a prefill, then one token at a time through the cache."""
+    y, cache = layer(x[:, :prefill], use_cache=True)
+    ys = [y]
+    for t in range(prefill, x.shape[1]):
+        y, cache = layer(x[:, t : t + 1], cache=cache, use_cache=True)
+        ys.append(y)
+    return torch.cat(ys, 1), cache
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_flow_through_decoding(name):
+    """Backward through prefill + decoding steps equals backward through one full forward (the KV
+    caches' in-place appends and AFT's ring slot broke it)."""
+    layer = layer_of(name)
+    x = torch.randn(2, 12, 32, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 12, 32, dtype=torch.float64)
+    full, _ = layer(x)
+    g_full, = torch.autograd.grad((full * w).sum(), x)
+    stepped, _ = decode(layer, x, prefill=5)
+    g_steps, = torch.autograd.grad((stepped * w).sum(), x)
+    torch.testing.assert_close(stepped, full, atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(g_steps, g_full, atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_use_cache_false_leaves_the_cache_as_it_was(name):
+    layer = layer_of(name)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full, _ = layer(x)
+        _, cache = decode(layer, x[:, :8], prefill=5)
+        first, none = layer(x[:, 8:], cache=cache, use_cache=False)
+        again, _ = layer(x[:, 8:], cache=cache, use_cache=False)  # aft-full had appended the token twice
+    assert none is None
+    torch.testing.assert_close(first, full[:, 8:], atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "none"])
+def test_a_cache_of_another_batch_is_refused(name):
+    """A batch of 2's cache given one token of a batch of 1 (after dropping a finished sequence, say):
+    a ValueError, not a broadcast into both rows (the KV caches did that) or a torch.cat error."""
+    layer = layer_of(name)
+    with torch.no_grad():
+        _, cache = layer(torch.randn(2, 5, 32, dtype=torch.float64), use_cache=True)
+        with pytest.raises(ValueError, match=r"[[(]1, .*[[(]2, |[[(]2, .*[[(]1, "):  # both batch sizes named
+            layer(torch.randn(1, 1, 32, dtype=torch.float64), cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runs_on_the_meta_device(name):
+    """Shape inference without memory (AFT's path choice read a value back: .item() on meta)."""
+    layer = layer_of(name, torch.float32, device="meta")
+    y, _ = layer(torch.empty(2, 12, 32, device="meta"))
+    assert y.shape == (2, 12, 32) and y.device.type == "meta"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_empty_sequence_is_an_empty_output_or_a_clear_error(name):
+    """softmax (SDPA) returns the empty output; the others say T must be at least 1 (deltanet's
+    convolution raised a RuntimeError)."""
+    layer = layer_of(name)
+    try:
+        y, _ = layer(torch.randn(2, 0, 32, dtype=torch.float64))
+    except ValueError as e:
+        assert "at least 1" in str(e)
+    else:
+        assert y.shape == (2, 0, 32)
