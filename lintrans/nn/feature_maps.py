@@ -63,6 +63,8 @@ class ReBased(nn.Module):
     d^2 otherwise; the same similarity either way.
     """
 
+    no_weight_decay = ("gamma", "beta")  # a norm's gain and bias, 2-D when stacked per head
+
     def __init__(
         self, head_dim: int, *, num_heads: Optional[int] = None, symmetric: bool = True, eps: float = 1e-5
     ) -> None:
@@ -96,6 +98,8 @@ class Hedgehog(nn.Module):
     ``distill_feature_maps``). W starts as the identity (truncated or zero-padded when
     feature_dim != head_dim), as in the paper's code.
     """
+
+    no_weight_decay = ("bias",)  # 2-D when stacked per head
 
     def __init__(
         self,

@@ -51,7 +51,7 @@ class OptimConfig:
     warmup_steps: int = _key(100, "steps of linear warm-up to lr (step s at lr * (s + 1) / warmup_steps)", low=0)
     decay_steps: Optional[int] = _key(None, "steps from 0 to the end of the decay (default: train.max_steps)", low=1)
     schedule: str = _key("cosine", "decay after the warm-up", choices=SCHEDULES)
-    weight_decay: float = _key(0.1, "AdamW weight decay, applied to matrices (>= 2-D parameters) only", low=0)
+    weight_decay: float = _key(0.1, "AdamW weight decay, applied to matrices (>= 2-D parameters) only, not to biases or norm gains", low=0)
     beta1: float = _key(0.9, "AdamW beta1", low=0, high=1, high_open=True)
     beta2: float = _key(0.95, "AdamW beta2", low=0, high=1, high_open=True)
     eps: float = _key(1e-8, "AdamW eps", low=0, low_open=True)

@@ -55,12 +55,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return o.min_lr + coeff * (o.lr - o.min_lr)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (embeddings, linear weights) and none on biases/norm gains."""
+def _exempt_from_decay(model: torch.nn.Module) -> set:
+    """ids of the parameters a module names in its ``no_weight_decay`` (biases and norm gains that are
+    2-D because they are stacked per head, as in ReBased and Hedgehog)."""
+    return {id(p) for m in model.modules() for name in getattr(m, "no_weight_decay", ())
+            if isinstance(p := getattr(m, name, None), torch.nn.Parameter)}
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                    exempt: bool = True) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (embeddings, linear weights, AFT's position biases) and none
+    on biases and norm gains, also where those are stacked per head (``exempt=False``: by dimension
+    only, as checkpoints before that was fixed grouped them)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    skip = _exempt_from_decay(model) if exempt else set()
+    decay = [p.dim() >= 2 and id(p) not in skip for p in params]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.optim.weight_decay},
+        {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
         groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
@@ -209,7 +221,8 @@ RESUME_NOTED = {"optim": ("lr", "min_lr", "warmup_steps", "decay_steps", "schedu
 def _resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
     """What the config changes against the checkpoint's in the keys of RESUME_NOTED: the learning-rate
     schedule follows the new keys from the resumed step on, a new batch draws another number of windows
-    per update, and a new seed picks other evaluation windows (the training stream's state is restored)."""
+    per update, and a new seed or global batch picks other evaluation windows (the training stream's
+    state is restored)."""
     lines = []
     for section, keys in RESUME_NOTED.items():
         old = saved["train_config"].get(section, {})
@@ -217,6 +230,9 @@ def _resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
             new = getattr(getattr(cfg, section), k)
             if k in old and old[k] != new:
                 lines.append(f"resume: {section}.{k} changed from {old[k]!r} in the checkpoint to {new!r}; using {new!r}")
+                if k in ("seed", "batch_size", "tokens_per_update"):
+                    lines.append(f"resume: so val_loss from step {saved['trainer_state']['step']} on is measured on "
+                                 "other validation windows (train.eval_batches global batches, drawn from the seed)")
     return lines
 
 
@@ -338,6 +354,11 @@ class _Run:
         """Tokenizer, model config, batch layout and the resume checks; a TrainResult if there is
         nothing to train."""
         cfg, info = self.cfg, self.info
+        o = cfg.optim
+        if o.schedule != "constant" and o.decay_steps is None and o.warmup_steps >= cfg.train.max_steps:
+            self.say(f"warning: optim.warmup_steps ({o.warmup_steps}) >= train.max_steps ({cfg.train.max_steps}): "
+                     f"the learning rate rises for the whole run (it ends at "
+                     f"{lr_at(cfg.train.max_steps - 1, cfg):.3g} of {o.lr:g}) and never decays; set a shorter warm-up")
         self.tokenizer = get_tokenizer(cfg.data.tokenizer)
         if "vocab_size" in cfg.model and cfg.model["vocab_size"] < self.tokenizer.vocab_size:
             raise ValueError(
@@ -370,6 +391,7 @@ class _Run:
             self.gpt_config = GPTConfig.from_dict(self.saved["config"]["model"])
             expected = {k: v for k, v in cfg.model.items() if k in WEIGHT_PRESERVING}
         elif cfg.train.init_from:
+            torch.manual_seed(cfg.train.seed)  # the parameters an attention swap adds
             self.initial = _initial_model(cfg, self.tokenizer, self.say)
             self.gpt_config = self.initial.config
             expected = self.gpt_config.to_dict()
@@ -439,6 +461,15 @@ class _Run:
         # DDP or FSDP (sharded in place: the optimizer must see the sharded parameters), context parallelism
         self.forward = parallelize(self.model, info, cfg.train.parallel, cfg.train.compile)
         self.optimizer = build_optimizer(self.model, cfg, info.device)
+        if self.saved is not None:
+            saved_sizes = [len(g["params"]) for g in self.saved["trainer_state"]["optimizer"]["param_groups"]]
+            if saved_sizes != [len(g["params"]) for g in self.optimizer.param_groups]:
+                legacy = build_optimizer(self.model, cfg, info.device, exempt=False)
+                if saved_sizes == [len(g["params"]) for g in legacy.param_groups]:
+                    self.optimizer = legacy
+                    self.say("resume: this checkpoint's optimizer decays the per-head biases and norm gains of its "
+                             "feature maps (grouped by dimension, before they were exempt); kept so that the run "
+                             "goes on as it began")
         torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
         self.sampler = WindowSampler(len(self.data.train), self.block, cfg.train.seed)
         self.precision = resolve_precision(cfg.train.precision, info.device)

@@ -517,3 +517,81 @@ def test_resume_with_init_from_does_not_read_the_initial_weights(tiny_config, ca
     with pytest.raises(ValueError, match="model.attention"):
         train(tiny_config("tuned", **{"train.max_steps": 6, "model.attention": "softmax",
                                       "train.init_from": str(init)}))
+
+
+@pytest.mark.parametrize("options", [
+    {"feature_map": "rebased"},
+    {"feature_map": "hedgehog", "feature_map_options": {"bias": True}},
+])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_feature_map_gains_and_biases_are_not_decayed(options, per_head):
+    """ReBased's norm gain and bias and Hedgehog's bias are 2-D when stacked per head (the default):
+    they were decayed then (the gain pulled toward 0) and not when shared across heads. AFT's position
+    biases decay, as position embeddings do."""
+    from lintrans.models import GPTConfig
+    from lintrans.train.config import load_config
+
+    cfg = load_config(None, [])
+    for attention, opts in (("linear", {**options, "per_head": per_head}), ("aft-conv", {})):
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, attention=attention,
+                              attention_options=opts))
+        decay, no_decay = build_optimizer(model, cfg, torch.device("cpu")).param_groups
+        names = {id(p): n for n, p in model.named_parameters()}
+        decayed = {names[id(p)] for p in decay["params"]}
+        kept = {names[id(p)] for p in no_decay["params"]}
+        if attention == "linear":
+            special = {n for n in names.values() if n.rsplit(".", 1)[-1] in ("gamma", "beta", "bias") and ".phi_" in n}
+            assert special and special <= kept, (special, decayed)
+            assert any(".phi_" in n for n in decayed) == (options["feature_map"] == "hedgehog")  # its weight
+        else:
+            assert "transformer.h.0.attn.pos_bias" in decayed
+
+
+def test_a_checkpoint_grouped_by_dimension_resumes(tiny_config, monkeypatch, capsys):
+    """A checkpoint saved when per-head feature-map gains were decayed (by dimension only) resumes with
+    that grouping, said once, instead of failing on the optimizer state."""
+    import lintrans.train.loop as loop
+
+    opts = {"model.attention": "linear", "model.attention_options": {"feature_map": "rebased"}}
+    monkeypatch.setattr(loop, "_exempt_from_decay", lambda model: set())  # the grouping before the fix
+    train(tiny_config(**opts, **{"train.stop_after_steps": 3}))
+    monkeypatch.undo()
+    capsys.readouterr()
+    done = train(tiny_config(**opts))
+    assert done.step == 6 and done.stopped == "done"
+    assert "grouped by dimension, before they were exempt" in capsys.readouterr().err
+
+
+def test_init_from_new_parameters_follow_train_seed(tiny_config):
+    """An attention swap's new parameters (gated-linear's gate) come from train.seed, whatever random
+    numbers the process drew before (they were drawn before the seed was set)."""
+    from lintrans.models import load_model
+
+    teacher = train(tiny_config("teacher", **{"train.max_steps": 2}))
+    start = str(teacher.out_dir / "checkpoint")
+
+    def gate(out, seed, noise):
+        torch.manual_seed(noise)
+        torch.rand(7)
+        run = train(tiny_config(out, **{"train.max_steps": 1, "train.seed": seed,
+                                        "model.attention": "gated-linear", "train.init_from": start}))
+        return load_model(run.out_dir / "checkpoint").transformer.h[0].attn.gate.weight
+
+    a, b, c = gate("a", 1, 0), gate("b", 1, 5), gate("c", 2, 0)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_a_warm_up_longer_than_the_run_is_warned(tiny_config, capsys):
+    train(tiny_config(**{"optim.warmup_steps": 10, "train.max_steps": 4}))
+    err = capsys.readouterr().err
+    assert "optim.warmup_steps (10) >= train.max_steps (4)" in err and "never decays" in err
+    train(tiny_config("other"))
+    assert "warmup_steps" not in capsys.readouterr().err
+
+
+def test_resume_with_another_batch_says_the_validation_windows_change(tiny_config, capsys):
+    train(tiny_config(**{"train.stop_after_steps": 3}))
+    capsys.readouterr()
+    train(tiny_config(**{"train.batch_size": 8}))
+    err = capsys.readouterr().err
+    assert "train.batch_size changed from 4" in err and "from step 3 on is measured on other validation windows" in err
