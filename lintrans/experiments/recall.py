@@ -1,8 +1,12 @@
 """Study ``recall``: multi-query associative recall (MQAR, Zoology / Based) against state size.
 
-A sequence is P key-value pairs then the P keys again in random order, each followed by its value
-(``tasks.recall_batch``: T = 4P tokens); keys come from the first half of a vocabulary of 8192 and
-values from the second. A 2-layer GPT is trained with cross-entropy at the query positions only and
+A sequence is P key-value pairs then the P keys again in random order, each followed by a filler
+token (``tasks.recall_batch``: T = 4P tokens); keys come from the first half of a vocabulary of 8192
+and values from the second, the filler is one more id. ``answers="shown"`` puts each query's answer
+after it instead (teacher forcing), as the records made before 2026-11-27 did: a model then sees
+which values were already asked for and can score H_P / P (0.21 at 16 pairs) without recalling
+anything, against 1 / P when the answers are hidden, as in Zoology (``no_recall_accuracy``).
+A 2-layer GPT is trained with cross-entropy at the query positions only and
 scored by held-out accuracy there. Its input adds to each token's embedding a learned projection of
 the previous token's (``ShiftGPT``: the short convolution of Based and Zoology's models), the same
 for every mechanism. The figure is Zoology's: accuracy against the floats one layer keeps to continue
@@ -62,6 +66,7 @@ DEFAULT = {
     "batch_size": 16,
     "eval_every": 125,
     "eval_batch": 512,
+    "answers": "hidden",  # what follows a query in the input; "shown" (its answer) reproduces the older records
 }
 # ``--setting hard``: Zoology's harder MQAR point, 64 pairs in T = 256 (four times the keys to hold),
 # trained on Zoology's kind of mixture of easier points, 4000 steps. One width, two head layouts: heads
@@ -98,10 +103,14 @@ HELP = study.help_texts(DEFAULT, {
     "vocab_size": "tokens: keys from one half, values from the other",
     "pairs": "key-value pairs per held-out sequence (T = 4 x pairs)",
     "train_pairs": "pair counts the training steps cycle through, each <= pairs (empty: pairs alone)",
+    "answers": "what follows each query in the input: hidden (a filler token, Zoology's MQAR) or shown (its "
+               "answer, teacher forcing: a model can rule out values already asked for; the records made before "
+               "2026-11-27)",
 })
 LIMITS = dict.fromkeys(("seeds", "n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch"),
                       study.POSITIVE)
 LIMITS["train_pairs"] = {"type": list[int], **study.POSITIVE}
+LIMITS["answers"] = {"choices": ("hidden", "shown")}
 
 
 def validate(s: dict) -> None:
@@ -128,15 +137,33 @@ def validate(s: dict) -> None:
 
 def run_spec(s: dict, mechanism: str, shape: list, lr: float, seed: int) -> dict:
     keys = ("n_layer", "vocab_size", "pairs", "steps", "batch_size", "eval_every", "eval_batch")
-    # train_pairs only where set, so the runs of records made before it keep their keys
+    # train_pairs and answers only where they differ from the older records' task, so those runs keep their keys
     mix = {"train_pairs": s["train_pairs"]} if s["train_pairs"] else {}
+    hidden = {"answers": "hidden"} if answers(s) == "hidden" else {}
     return {"study": NAME, "version": VERSION, "attention": mechanism, "width": shape[0], "heads": shape[1],
-            "lr": lr, "seed": seed, **{k: s[k] for k in keys}, **mix}
+            "lr": lr, "seed": seed, **{k: s[k] for k in keys}, **mix, **hidden}
+
+
+def answers(s: dict) -> str:
+    """A record's or a run's ``answers``: "shown" where it predates the setting."""
+    return s.get("answers", "shown")
+
+
+def model_vocab(spec: dict) -> int:
+    return spec["vocab_size"] + (answers(spec) == "hidden")  # the filler is one more id
+
+
+def no_recall_accuracy(s: dict) -> float:
+    """The best expected accuracy of a model that does not bind keys to values: a value of the context
+    at random (1 / P) with the answers hidden; with them shown, one not yet asked for (H_P / P)."""
+    P = s["pairs"]
+    return 1 / P if answers(s) == "hidden" else sum(1 / i for i in range(1, P + 1)) / P
 
 
 def _batch(spec: dict, n: int, generator: torch.Generator, device="cpu", pairs: int = None):
     half, pairs = spec["vocab_size"] // 2, pairs or spec["pairs"]
-    return recall_batch(n, pairs, pairs, half, half, generator, device)
+    filler = spec["vocab_size"] if answers(spec) == "hidden" else None
+    return recall_batch(n, pairs, pairs, half, half, generator, device, filler=filler)
 
 
 class ShiftGPT(torch.nn.Module):
@@ -189,7 +216,7 @@ def run(spec: dict, env: study.RunEnv) -> dict:
     T = 4 * spec["pairs"]
     # linear attention in its quadratic form: the same function, fastest at T <= 256 on a CPU
     config = gpt_config(spec["attention"], n_layer=spec["n_layer"], n_head=spec["heads"], n_embd=spec["width"],
-                        block_size=T, vocab_size=spec["vocab_size"], linear_form="attention")
+                        block_size=T, vocab_size=model_vocab(spec), linear_form="attention")
     torch.manual_seed(spec["seed"])
     model = ShiftGPT(config).to(env.device)
     train_gen = torch.Generator().manual_seed(spec["seed"])
@@ -258,7 +285,8 @@ def summarize(s: dict, runs: list) -> dict:
             points[m].append({"width": shape[0], "heads": shape[1], "state_floats": rs[0]["state_floats"],
                               "params": rs[0]["params"], "accuracy": study.spread([r["accuracy"] for r in rs])})
     chance = 1 / (s["vocab_size"] // 2)
-    return {"sequence_length": 4 * s["pairs"], "pairs": s["pairs"], "chance_accuracy": chance, "points": points}
+    return {"sequence_length": 4 * s["pairs"], "pairs": s["pairs"], "answers": answers(s), "chance_accuracy": chance,
+            "no_recall_accuracy": no_recall_accuracy(s), "points": points}
 
 
 def table(record: dict) -> str:
@@ -274,7 +302,8 @@ def table(record: dict) -> str:
             cells.append(f"{('diverged' if a is None else f'{a:.3f}') + ' (%.3g)' % p['state_floats']:>22}")
         lines.append(f"{m:<{w}}" + "".join(cells))
     trained = f", trained on {_mixture(s)} pairs" if _mixture(s) else ""
-    lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs{trained})")
+    lines.append(f"(mean over seeds; T={record['summary']['sequence_length']}, {s['pairs']} pairs{trained}, answers "
+                 f"{answers(s)}: without binding keys to values a model scores up to {no_recall_accuracy(s):.3f})")
     for sw in record["sweep"]:
         lines.append(f"lr per mechanism at {_shape_label(sw['width'], sw['heads'])}: {sw['chosen']}")
     return "\n".join(lines)
@@ -287,8 +316,8 @@ def plot(record: dict, out) -> list:
     mechs = s["mechanisms"]
     trained = f" (trained on {_mixture(s)})" if _mixture(s) else ""
     # two lines: one panel's figure is too narrow for it on one
-    setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs{trained},\nvocabulary {s['vocab_size']}, "
-               f"{study.layers(s['n_layer'])}, {s['steps']} steps of {s['batch_size']}")
+    setting = (f"MQAR: T={summ['sequence_length']}, {s['pairs']} pairs{trained}, answers {answers(s)},\n"
+               f"vocabulary {s['vocab_size']}, {study.layers(s['n_layer'])}, {s['steps']} steps of {s['batch_size']}")
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.8))
@@ -299,7 +328,8 @@ def plot(record: dict, out) -> list:
                    color=f"C{i}", marker="o")
     if not s.get("quick"):  # beside a machinery check's chance-level curves they would read as a failure
         ax.plot(*zip(*PUBLISHED_BASED), "*", color="grey", ms=10, label="Based, published (Zoology scale)")
-    ax.axhline(summ["chance_accuracy"], color="grey", ls=":", lw=1)
+    floor = no_recall_accuracy(s)
+    ax.axhline(floor, color="grey", ls=":", lw=1, label=f"no key-value binding ({floor:.3f})")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
     study.style(ax, "state per layer (floats; softmax: KV cache at T)", "held-out accuracy at queries",

@@ -55,18 +55,25 @@ def least_squares_errors(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
 
 def recall_batch(
     batch: int, n_pairs: int, n_queries: int, n_keys: int, n_values: int,
-    generator: Optional[torch.Generator] = None, device: str = "cpu",
+    generator: Optional[torch.Generator] = None, device: str = "cpu", filler: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQAR sequences: k_1 v_1 ... k_P v_P then q_1 a_1 ... q_Q a_Q, each query one of the P keys.
 
     Keys are ids 0..n_keys-1 (distinct within a sequence), values n_keys..n_keys+n_values-1.
     Returns idx [B, 2(P + Q)] int64 and targets of the same shape: at a query key the value paired
-    with it, -1 (ignored) everywhere else. The answers a_j are in the input (teacher forcing) but a
-    causal model cannot see a_j when predicting it.
+    with it, -1 (ignored) everywhere else. With ``filler`` (an id past the values) the token after
+    each query is that filler, as in Zoology's MQAR, where the answers are never in the input. Without
+    it the answers a_j are (teacher forcing): a causal model cannot see a_j when predicting it, but it
+    sees the earlier answers, so it can rule out values already asked for without recalling anything
+    (an accuracy of H_Q / Q at Q = P queries, 0.21 at 16 pairs, against 1 / P with a filler).
     """
     for name, value in (("batch", batch), ("n_pairs", n_pairs), ("n_queries", n_queries),
                         ("n_keys", n_keys), ("n_values", n_values)):
         check_positive_int(name, value)
+    if filler is not None:
+        check_positive_int("filler", filler)
+        if filler < n_keys + n_values:
+            raise ValueError(f"filler ({filler}) must be an id past the keys and values (>= {n_keys + n_values})")
     if n_pairs > n_keys:
         raise ValueError(f"n_pairs ({n_pairs}) must be <= n_keys ({n_keys}): keys in a sequence are distinct")
     if n_queries > n_pairs:
@@ -78,7 +85,8 @@ def recall_batch(
     which = torch.rand(batch, n_pairs, generator=generator).argsort(dim=1)[:, :n_queries]  # [B,Q]
     q_keys, answers = keys.gather(1, which), values.gather(1, which)  # [B,Q]
     pairs = torch.stack([keys, values], dim=2).reshape(batch, 2 * n_pairs)
-    queries = torch.stack([q_keys, answers], dim=2).reshape(batch, 2 * n_queries)
+    after = answers if filler is None else torch.full_like(answers, filler)  # [B,Q]
+    queries = torch.stack([q_keys, after], dim=2).reshape(batch, 2 * n_queries)
     idx = torch.cat([pairs, queries], dim=1)  # [B,T]
     targets = torch.full_like(idx, -1)
     targets[:, 2 * n_pairs::2] = answers

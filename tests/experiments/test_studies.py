@@ -302,6 +302,22 @@ def test_recall_trains_on_the_train_pairs_mixture_and_scores_at_pairs(tmp_path, 
     assert "train_pairs" not in plain  # records made before the setting keep their runs' keys
 
 
+def test_recall_answers_hidden_by_default_and_the_no_recall_level():
+    """The default hides the answers (Zoology's task: the model has one more id, the filler); "shown"
+    keeps the keys of the runs recorded before the setting; the no-recall level is 1/P hidden and
+    H_P/P shown (a model that rules out the values already asked for)."""
+    from lintrans.experiments import recall
+
+    hidden = recall.run_spec({**recall.DEFAULT}, "softmax", [64, 4], 1e-3, 0)
+    shown = recall.run_spec({**recall.DEFAULT, "answers": "shown"}, "softmax", [64, 4], 1e-3, 0)
+    assert hidden["answers"] == "hidden" and "answers" not in shown
+    assert recall.model_vocab(hidden) == 8193 and recall.model_vocab(shown) == 8192
+    assert recall.no_recall_accuracy({"pairs": 16, "answers": "hidden"}) == 1 / 16
+    assert abs(recall.no_recall_accuracy({"pairs": 16}) - 0.211295) < 1e-6  # a record made before the setting
+    idx, targets = recall._batch(hidden, 4, torch.Generator().manual_seed(0))
+    assert torch.all(idx[:, 33::2] == 8192) and torch.all(targets[:, 32::2] >= 4096)
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--pairs", "4", "--train-pairs", "2", "8"], r"train_pairs \(\[2, 8\]\) must not exceed pairs \(4\)"),
     (["--pairs", "4", "--train-pairs", "4", "2"], "train_pairs must be distinct and increasing"),

@@ -64,6 +64,23 @@ def test_recall_answers_are_the_values_paired_with_the_keys():
     assert torch.all(asked[:, 2 * P :: 2])
 
 
+def test_recall_with_a_filler_hides_the_answers():
+    """Zoology's MQAR: the token after each query is the filler, never its answer; the pairs, queries
+    and targets are those of the same draws with the answers shown."""
+    P, Q, K, V = 6, 6, 10, 7
+    shown, t_shown = recall_batch(16, P, Q, K, V, gen())
+    hidden, t_hidden = recall_batch(16, P, Q, K, V, gen(), filler=K + V)
+    assert torch.equal(t_hidden, t_shown)
+    assert torch.all(hidden[:, 2 * P + 1 :: 2] == K + V)
+    assert torch.equal(hidden[:, : 2 * P + 1], shown[:, : 2 * P + 1])
+    assert torch.equal(hidden[:, 2 * P :: 2], shown[:, 2 * P :: 2])
+    values = hidden[:, 1 : 2 * P : 2]
+    for b in range(16):  # no value of the sequence appears after its pairs
+        assert not set(hidden[b, 2 * P :].tolist()) & set(values[b].tolist())
+    with pytest.raises(ValueError, match="filler"):
+        recall_batch(2, P, Q, K, V, gen(), filler=K + V - 1)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n_pairs=5, n_queries=2, n_keys=4, n_values=3), "n_pairs"),
     (dict(n_pairs=3, n_queries=4, n_keys=8, n_values=3), "n_queries"),
