@@ -218,11 +218,11 @@ RESUME_NOTED = {"optim": ("lr", "min_lr", "warmup_steps", "decay_steps", "schedu
                 "train": ("max_steps", "batch_size", "tokens_per_update", "micro_batch_size", "seed")}
 
 
-def _resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+def _resume_changes(saved: dict, cfg: TrainConfig, total: int, block: int) -> list[str]:
     """What the config changes against the checkpoint's in the keys of RESUME_NOTED: the learning-rate
     schedule follows the new keys from the resumed step on, a new batch draws another number of windows
-    per update, and a new seed or global batch picks other evaluation windows (the training stream's
-    state is restored)."""
+    per update, and a new seed or global batch (``total`` sequences of ``block`` tokens now) picks other
+    evaluation windows (the training stream's state is restored)."""
     lines = []
     for section, keys in RESUME_NOTED.items():
         old = saved["train_config"].get(section, {})
@@ -230,9 +230,11 @@ def _resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
             new = getattr(getattr(cfg, section), k)
             if k in old and old[k] != new:
                 lines.append(f"resume: {section}.{k} changed from {old[k]!r} in the checkpoint to {new!r}; using {new!r}")
-                if k in ("seed", "batch_size", "tokens_per_update"):
-                    lines.append(f"resume: so val_loss from step {saved['trainer_state']['step']} on is measured on "
-                                 "other validation windows (train.eval_batches global batches, drawn from the seed)")
+    then = saved["train_config"].get("train", {})
+    then_total = then["tokens_per_update"] // block if then.get("tokens_per_update") else then.get("batch_size")
+    if then.get("seed", cfg.train.seed) != cfg.train.seed or then_total not in (None, total):
+        lines.append(f"resume: val_loss from step {saved['trainer_state']['step']} on is measured on other validation "
+                     "windows (train.eval_batches global batches, drawn from train.seed)")
     return lines
 
 
@@ -478,7 +480,7 @@ class _Run:
             ckpt.load_optimizer(self.found, self.optimizer, load=(
                 (lambda state: load_sharded_optimizer(self.model, self.optimizer, state))
                 if is_sharded(self.model) else None))
-            for line in _resume_changes(self.saved, cfg) + _apply_optim_config(self.optimizer, cfg):
+            for line in _resume_changes(self.saved, cfg, self.total, self.block) + _apply_optim_config(self.optimizer, cfg):
                 self.say(line)
             st = self.saved["trainer_state"]
             self.step, self.tokens, self.elapsed = st["step"], st["tokens"], st.get("time_s", 0.0)

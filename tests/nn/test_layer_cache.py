@@ -78,7 +78,7 @@ def test_a_cache_of_another_batch_is_refused(name):
     layer = layer_of(name)
     with torch.no_grad():
         _, cache = layer(torch.randn(2, 5, 32, dtype=torch.float64), use_cache=True)
-        with pytest.raises(ValueError, match=r"[[(]1, .*[[(]2, |[[(]2, .*[[(]1, "):  # both batch sizes named
+        with pytest.raises(ValueError, match=r"[\[(]1, .*[\[(]2, |[\[(]2, .*[\[(]1, "):  # both batch sizes named
             layer(torch.randn(1, 1, 32, dtype=torch.float64), cache=cache, use_cache=True)
 
 

@@ -590,8 +590,11 @@ def test_a_warm_up_longer_than_the_run_is_warned(tiny_config, capsys):
 
 
 def test_resume_with_another_batch_says_the_validation_windows_change(tiny_config, capsys):
-    train(tiny_config(**{"train.stop_after_steps": 3}))
+    train(tiny_config(**{"train.stop_after_steps": 2}))
     capsys.readouterr()
+    train(tiny_config(**{"train.stop_after_steps": 3, "train.tokens_per_update": 64}))  # 4 x 16: the same batch
+    err = capsys.readouterr().err
+    assert "tokens_per_update changed" in err and "other validation windows" not in err
     train(tiny_config(**{"train.batch_size": 8}))
     err = capsys.readouterr().err
-    assert "train.batch_size changed from 4" in err and "from step 3 on is measured on other validation windows" in err
+    assert "train.batch_size changed from 4" in err and "on is measured on other validation windows" in err

@@ -6,6 +6,6 @@ torch.set_num_threads(1)
 from lintrans.experiments import recall, study
 env = study.RunEnv(None, lambda n: None)
 mech, vocab, pairs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-s = dict(recall.DEFAULT, vocab_size=vocab, pairs=pairs)
+s = dict(recall.DEFAULT, vocab_size=vocab, pairs=pairs, answers="shown")  # as recorded
 r = recall.run(recall.run_spec(s, mech, [64, 4], 2e-3, 0), env)
 print(mech, vocab, pairs, json.dumps({"accuracy": r["accuracy"], "chance": 2 / vocab, "eval_acc": [round(e["accuracy"], 4) for e in r["evals"]]}), flush=True)

@@ -40,7 +40,7 @@ VARIANTS = {
     "elu": ("linear:elu", {}),
     "gated-linear": ("gated-linear", {}),
 }
-s = dict(recall.DEFAULT, vocab_size=64, pairs=4, steps=400, eval_every=400, eval_batch=256)
+s = dict(recall.DEFAULT, vocab_size=64, pairs=4, steps=400, eval_every=400, eval_batch=256, answers="shown")  # as recorded
 env = study.RunEnv(None, lambda n: None)
 names = (sys.argv[1:] or list(VARIANTS)) if __name__ == "__main__" else []
 for name in names:

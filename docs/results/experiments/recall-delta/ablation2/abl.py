@@ -116,7 +116,8 @@ elif a.variant != "base":
 if a.options:
     mechanism += ("," if ":" in mechanism else ":") + a.options
 
-s = dict(recall.DEFAULT, steps=a.steps, batch_size=a.batch, eval_every=max(a.steps // 8, 1))
+s = dict(recall.DEFAULT, steps=a.steps, batch_size=a.batch, eval_every=max(a.steps // 8, 1),
+         answers="shown")  # the task these records were made with (answers hidden is the default since 2026-11-27)
 spec = recall.run_spec(s, mechanism, [a.width, a.heads], a.lr, a.seed)
 r = recall.run(spec, study.RunEnv(None, lambda n: None))
 print(json.dumps({"variant": a.variant, **{k: v for k, v in vars(a).items() if k != "variant"},

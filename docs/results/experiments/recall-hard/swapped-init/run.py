@@ -17,7 +17,7 @@ from lintrans.experiments.models import gpt_config
 mechanism, donor, out = sys.argv[1:4]
 seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 torch.set_num_threads(1)
-settings = {**recall.DEFAULT, **recall.PRESETS["hard"]}
+settings = {**recall.DEFAULT, **recall.PRESETS["hard"], "answers": "shown"}  # the recorded task (answers hidden is the default since 2026-11-27)
 spec = recall.run_spec(settings, mechanism, [64, 1], 2e-3, seed)
 built = recall.ShiftGPT
 copied = {}
