@@ -10,9 +10,9 @@ Two comparisons:
   build key: sources, flags, toolchain, torch and CPU), so an A/B of a kernel change is: build before, build after, run this.
 
 Variants alternate (A B A B ..., after one warm-up call each) so that a burst of load on a shared
-machine hits them alike; median, fastest and first quartile of the wall time and the fastest
-process CPU time are reported (with ``--threads 1`` the CPU time is the work itself, whatever else
-runs). Forward + ``backward(do)`` on [B, T, H, D] float32 tensors.
+machine hits them alike; the median and fastest wall time and the fastest process CPU time are
+printed, and ``--out`` also stores the first quartile (with ``--threads 1`` the CPU time is the work
+itself, whatever else runs). Forward + ``backward(do)`` on [B, T, H, D] float32 tensors.
 
     python tools/ab_kernels.py --T 4096 16384 --ops chunked gated aft sliding-window delta gated-delta
     python tools/ab_kernels.py --builds OLD.so NEW.so --T 4096 16384 65536 --rounds 8
