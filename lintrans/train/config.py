@@ -155,7 +155,7 @@ def check_context_parallel(attention: str, block_size: int, n: int) -> None:
     allowed = context_parallel_attention()
     if attention not in allowed:
         raise ValueError(f"train.context_parallel = {n} splits each sequence over {n} processes, which attention "
-                         f"{attention!r} cannot do (it needs a fixed-size state passed between them): use "
+                         f"{attention!r} cannot do (only layers whose state adds across processes can): use "
                          f"model.attention in {allowed}, or train.context_parallel = 1")
     if block_size % n:
         raise ValueError(f"train.context_parallel = {n} must divide model.block_size ({block_size}): every process "

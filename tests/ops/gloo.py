@@ -1,5 +1,6 @@
 """Process groups for the context-parallel tests: gloo on loopback, one free port per group."""
 import contextlib
+import datetime
 import os
 import socket
 
@@ -15,7 +16,9 @@ def free_port() -> int:
 
 def join(rank: int, R: int, port: int) -> None:
     """In a spawned worker: join the group of R processes on ``port``."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
+    # a collective one rank never joins fails the test in minutes instead of gloo's default 30
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R,
+                            timeout=datetime.timedelta(minutes=2))
 
 
 def spawn(worker, R: int, *args) -> None:

@@ -72,6 +72,11 @@ def context_parallel_delta_rule(
     maps = _AllGather.apply(summary.flatten(), group).view(R, B, H, Dk, Dv + Dk)  # the one collective
     S0 = None if initial_state is None else initial_state.to(dtype)
     X = _compose(S0, maps, rank, Dv)
+    if rank == 0:  # X does not depend on the maps here; a branch of zero weight makes this rank's backward
+        # reach the all-gather's reduce-scatter, in which every other rank waits (torch.where, not 0 * maps,
+        # so that a non-finite map cannot reach X)
+        keep = X if X is not None else maps.new_zeros(B, H, Dk, Dv)
+        X = torch.where(torch.ones((), dtype=torch.bool, device=keep.device), keep, maps[0, ..., :Dv])
     o, _ = delta_rule(q, k, v, beta, log_decay=log_decay, initial_state=X, **kwargs)
     state = None
     if output_final_state:
