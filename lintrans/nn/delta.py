@@ -125,7 +125,13 @@ def causal_conv(u: torch.Tensor, weight: torch.Tensor, prev: Optional[torch.Tens
         raise ValueError(f"cache: the convolution's last inputs are {list(prev.shape)} [B, K-1, W]; this input "
                          f"needs {[B, K - 1, W]} (a batch of another size needs its own cache)")
     full = torch.cat([prev.to(u.dtype), u], dim=1)  # [B, K-1+T, W]
-    y = F.conv1d(full.transpose(1, 2), weight, groups=W).transpose(1, 2)  # [B,T,W]
+    # conv1d's cross-correlation y_t = sum_j w_j full_{t+j} as K shifted multiply-adds in [B, T, W]: conv1d
+    # wants [B, W, T] and gave q, k, v a last-dimension stride of T, which the op's kernels then copied (3
+    # tensors, forward and backward), and it is slower than these for a kernel of 4
+    w = weight[:, 0, :].to(u.dtype)  # [W, K]
+    y = full[:, :T] * w[:, 0]
+    for j in range(1, K):
+        y = torch.addcmul(y, full[:, j : j + T], w[:, j])
     return y, full[:, full.shape[1] - (K - 1):]
 
 
