@@ -33,10 +33,40 @@ def test_other_calls_keep_the_pytorch_blocks(monkeypatch):
     calls = counted(monkeypatch)
     q, k, v = random_qkv(1, 9, 2, 4, 3, dtype=torch.float32)
     linear_attention(q, k, v, feature_map="based", chunk_size=4)  # not a map the kernel knows
-    linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=4)  # computed in float32
     monkeypatch.setenv("LINTRANS_NATIVE", "0")
     linear_attention(q, k, v, chunk_size=4)
     assert calls == []
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decay", [False, True])
+def test_16_bit_inputs_take_the_kernel_on_float32_copies(monkeypatch, dtype, decay):
+    """CPU autocast hands the op 16-bit q, k, v: the kernel runs on float32 copies (the PyTorch blocks,
+    which compute in float32 too, ran instead at about half the speed); the output comes back in the
+    inputs' dtype and equals the blocks', gradients too."""
+    q, k, v = (x.to(dtype) for x in random_qkv(2, 37, 2, 8, 5, dtype=torch.float32))
+    ld = -torch.rand(2, 37, 2) if decay else None
+    w = torch.randn(2, 37, 2, 5)
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, (S, _) = linear_attention(*leaves, chunk_size=8, log_decay=ld, output_final_state=True)
+        (o.float() * w).sum().backward()
+        return o, S, [x.grad for x in leaves]
+
+    calls = counted(monkeypatch)
+    o, S, grads = run()
+    assert calls == [1] and o.dtype == dtype and S.dtype == torch.float32
+    assert all(g.dtype == dtype for g in grads)
+    with monkeypatch.context() as m:
+        m.setenv("LINTRANS_NATIVE", "0")
+        o_ref, S_ref, grads_ref = run()
+    assert calls == [1]
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=float(o_ref.abs().max()) * 2 ** -7)  # one 16-bit rounding
+    torch.testing.assert_close(S, S_ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=float(b.abs().max()) * 2 ** -7)
 
 
 @needs_native

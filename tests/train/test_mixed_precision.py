@@ -150,8 +150,9 @@ def test_linear_cross_entropy_called_under_autocast():
 @pytest.mark.parametrize("attention", ["linear", "gated-linear", "retention"])
 def test_bf16_training_keeps_the_state_in_float32(tiny_config, monkeypatch, attention):
     """A few steps of ``lintrans train`` with ``train.precision=bf16``: the chunked op receives bf16
-    values (autocast is on; q and k too, turned to float32 features first for the identity map),
-    starts from and returns float32 states, and the losses follow the float32 run's."""
+    values (autocast is on; q and k too, turned to float32 features first for the identity map), or
+    their float32 copies where the CPU kernel runs, starts from and returns float32 states, and the
+    losses follow the float32 run's."""
     from lintrans.train.loop import train
 
     seen = []
@@ -161,13 +162,13 @@ def test_bf16_training_keeps_the_state_in_float32(tiny_config, monkeypatch, atte
         @staticmethod
         def apply(q, k, v, ld, S0, cfg):
             o, S = original.apply(q, k, v, ld, S0, cfg)
-            seen.append((v.dtype, S0.dtype, cfg.dtype, S.dtype, None if ld is None else ld.dtype))
+            seen.append((v.dtype, S0.dtype, cfg.dtype, S.dtype, None if ld is None else ld.dtype, cfg.native))
             return o, S
 
     monkeypatch.setattr(linear_api, "ChunkedAttention", Recording)
     settings = {"model.attention": attention, "train.max_steps": 4, "train.eval_interval": 100}
     bf16 = train(tiny_config("bf16", **settings, **{"train.precision": "bf16"}))
-    assert seen and all(s[0] == torch.bfloat16 for s in seen)
+    assert seen and all(s[0] == (torch.bfloat16 if s[5] is None else torch.float32) for s in seen)
     assert all(s[1:4] == (torch.float32,) * 3 for s in seen)
     assert all(s[4] in (None, torch.float32) for s in seen)
     seen.clear()

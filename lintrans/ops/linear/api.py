@@ -34,12 +34,18 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
         ld = log_decay.to(dtype)
         ld = ld.expand(1, T, H) if ld.dim() == 1 else ld  # a fixed [H] decay: the same for every token
     native = feature_map if phi is not None else "identity"
+    out_dtype = v.dtype
+    if q.dtype != dtype and q.device.type == "cpu" and native_chunked.supports(
+            q.to(dtype), k.to(dtype), v.to(dtype), ld, native, normalize, dtype):
+        # 16-bit inputs (CPU autocast): the kernel on float32 copies, the float32 the blocks compute in anyway
+        # (the blocks ran instead, about twice as slow)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if not native_chunked.supports(q, k, v, ld, native, normalize, dtype):
         native = None
     cfg = Chunked(phi, dphi, scale, chunk, chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
                    dtype, v.dtype, native)
     o, S_end = ChunkedAttention.apply(q, k, v, ld, S0, cfg)
-    return o, ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
+    return o.to(out_dtype), ((S_end[..., :Dv], S_end[..., Dv]) if output_final_state else None)
 
 
 def _fla_attention(q, k, v, form, feature_map, normalize, scale, eps, initial_state, output_final_state, log_decay):
