@@ -78,6 +78,7 @@ def lsh_rotations(H: int, D: int, n_buckets: int, n_hashes: int, seed: int) -> t
     return torch.randn(n_hashes, H, D, n_buckets // 2, generator=g, dtype=torch.float64).transpose(0, 1)
 
 
+@torch.compiler.disable  # a cached constant: torch.compile would trace the seeded draw and warn of the cache
 @functools.lru_cache(maxsize=64)
 def _rotations_on(device: torch.device, *key) -> torch.Tensor:
     """``lsh_rotations(*key)`` on ``device``, copied there once: a copy per call would be a

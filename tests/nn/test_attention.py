@@ -277,13 +277,20 @@ def test_train_config_checks_the_options_of_its_mechanism(tmp_path, capsys):
 
 
 def test_a_reformer_gpt_compiles():
-    """torch.compile's functionalisation refused the in-place write into a view of the self-pair mask."""
+    """torch.compile's functionalisation refused the in-place write into a view of the self-pair mask;
+    and it traced the cached rotations' seeded draw, warning of the cache."""
+    import warnings
+
     torch._dynamo.reset()
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=11, attention="reformer",
                     attention_options={"n_buckets": 4, "n_hashes": 2, "chunk_size": 4})
     model = GPT(cfg)
     idx = torch.randint(0, 11, (2, 20))
-    torch.testing.assert_close(torch.compile(model, backend="aot_eager")(idx)[0], model(idx)[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="aot_eager")(idx)[0]
+    torch.testing.assert_close(compiled, model(idx)[0])
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
 
 
 def test_options_an_op_checks_are_named_as_attention_options():
