@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .native import eager_only
 from .validation import (check_bool, check_choice, check_head_dims, check_number, check_tensor, compute_dtype,
                          warn_if_head_first)
 
@@ -78,7 +79,7 @@ def lsh_rotations(H: int, D: int, n_buckets: int, n_hashes: int, seed: int) -> t
     return torch.randn(n_hashes, H, D, n_buckets // 2, generator=g, dtype=torch.float64).transpose(0, 1)
 
 
-@torch.compiler.disable  # a cached constant: torch.compile would trace the seeded draw and warn of the cache
+@eager_only  # a cached constant: torch.compile would trace the seeded draw and warn of the cache
 @functools.lru_cache(maxsize=64)
 def _rotations_on(device: torch.device, *key) -> torch.Tensor:
     """``lsh_rotations(*key)`` on ``device``, copied there once: a copy per call would be a
