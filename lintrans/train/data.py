@@ -44,6 +44,11 @@ def default_cache_dir() -> Path:
     return cache_dir() / "data"
 
 
+def cache_folder(cache_dir=None) -> Path:
+    """The token cache's folder: data.cache_dir, or the default."""
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype holding every id of a ``vocab_size`` vocabulary."""
     if vocab_size <= 2**16:
@@ -265,7 +270,7 @@ def prepare_data(
     key = hashlib.sha256(
         json.dumps([CACHE_FORMAT, source.fingerprint(), tok_id, dtype.name]).encode()
     ).hexdigest()[:20]
-    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = cache_folder(cache_dir)
     entry = folder / key
     if not (entry / "meta.json").is_file():
         _tokenize_to_cache(source, tokenizer, dtype, entry, progress)

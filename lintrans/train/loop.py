@@ -18,7 +18,7 @@ from lintrans._io import FileLock, atomic_write_text
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, check_context_parallel, check_fsdp, padded_vocab, write_resolved
-from .data import TokenData, WindowSampler, batch_layout, get_batch, prepare_data, resolve_source
+from .data import TokenData, WindowSampler, batch_layout, cache_folder, get_batch, prepare_data, resolve_source
 from .distributed import (
     DistInfo, all_mean, any_flag, barrier, full_state_dicts, full_value, gather_objects, init_distributed, is_sharded,
     load_sharded_optimizer, local_tensor, no_gradient_sync, parallelize, peak_memory_bytes, shutdown,
@@ -231,7 +231,8 @@ def _resume_changes(saved: dict, cfg: TrainConfig, total: int, block: int) -> li
             if k in old and old[k] != new:
                 lines.append(f"resume: {section}.{k} changed from {old[k]!r} in the checkpoint to {new!r}; using {new!r}")
     then = saved["train_config"].get("train", {})
-    then_total = then["tokens_per_update"] // block if then.get("tokens_per_update") else then.get("batch_size")
+    then_total = (batch_layout(then.get("tokens_per_update"), then.get("batch_size"), None, block, 1)[0]
+                  if then.get("tokens_per_update") or then.get("batch_size") else None)
     if then.get("seed", cfg.train.seed) != cfg.train.seed or then_total not in (None, total):
         lines.append(f"resume: val_loss from step {saved['trainer_state']['step']} on is measured on other validation "
                      "windows (train.eval_batches global batches, drawn from train.seed)")
@@ -422,11 +423,9 @@ class _Run:
 
     def load_data(self) -> None:
         cfg, info = self.cfg, self.info
-        from .data import default_cache_dir
-
-        cache = cfg.data.cache_dir if cfg.data.cache_dir is not None else default_cache_dir()
         source = resolve_source(cfg.data.source, bin_dtype=cfg.data.bin_dtype, hf_split=cfg.data.hf_split,
-                                hf_column=cfg.data.hf_text_column, exclude=(cache, self.out_dir))
+                                hf_column=cfg.data.hf_text_column,
+                                exclude=(cache_folder(cfg.data.cache_dir), self.out_dir))
         data: TokenData | None = None
         if info.is_main:  # rank 0 tokenises; the others then hit the cache
             data = prepare_data(source, self.tokenizer, val_fraction=cfg.data.val_fraction,
@@ -464,10 +463,13 @@ class _Run:
         self.forward = parallelize(self.model, info, cfg.train.parallel, cfg.train.compile)
         self.optimizer = build_optimizer(self.model, cfg, info.device)
         if self.saved is not None:
-            saved_sizes = [len(g["params"]) for g in self.saved["trainer_state"]["optimizer"]["param_groups"]]
-            if saved_sizes != [len(g["params"]) for g in self.optimizer.param_groups]:
+            def sizes(groups):
+                return [len(g["params"]) for g in groups]
+
+            saved_sizes = sizes(self.saved["trainer_state"]["optimizer"]["param_groups"])
+            if saved_sizes != sizes(self.optimizer.param_groups):
                 legacy = build_optimizer(self.model, cfg, info.device, exempt=False)
-                if saved_sizes == [len(g["params"]) for g in legacy.param_groups]:
+                if saved_sizes == sizes(legacy.param_groups):
                     self.optimizer = legacy
                     self.say("resume: this checkpoint's optimizer decays the per-head biases and norm gains of its "
                              "feature maps (grouped by dimension, before they were exempt); kept so that the run "

@@ -35,12 +35,12 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
         ld = ld.expand(1, T, H) if ld.dim() == 1 else ld  # a fixed [H] decay: the same for every token
     native = feature_map if phi is not None else "identity"
     out_dtype = v.dtype
-    if q.dtype != dtype and q.device.type == "cpu" and native_chunked.supports(
-            q.to(dtype), k.to(dtype), v.to(dtype), ld, native, normalize, dtype):
-        # 16-bit inputs (CPU autocast): the kernel on float32 copies, the float32 the blocks compute in anyway
-        # (the blocks ran instead, about twice as slow)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if not native_chunked.supports(q, k, v, ld, native, normalize, dtype):
+    # 16-bit inputs (CPU autocast) reach the kernel as float32 copies, made once: the float32 the blocks
+    # compute in anyway (the blocks ran instead, about twice as slow); as delta_rule does
+    up = [x.to(dtype) for x in (q, k, v)] if q.device.type == "cpu" else (q, k, v)
+    if native_chunked.supports(*up, ld, native, normalize, dtype):
+        q, k, v = up
+    else:
         native = None
     cfg = Chunked(phi, dphi, scale, chunk, chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
                    dtype, v.dtype, native)
