@@ -6,7 +6,9 @@ global tokens' own rows use separate projections ``q_global``, ``k_global``, ``v
 attend to every earlier position); other rows see a global token through the ordinary k and v.
 
 Generation keeps a ring buffer of the last (window - 1) * dilation + 1 keys and values plus the
-keys up to the last global position: memory constant in the generated length.
+keys up to the last global position: memory constant in the generated length. Decoding writes the
+ring in place (a cache serves one continuation, as the softmax layer's KVCache), except where
+autograd records it.
 """
 from __future__ import annotations
 
@@ -91,7 +93,9 @@ class SlidingWindowAttention(QKVAttention):
         if cache is not None:
             outs = []
             for t in range(x.shape[1]):  # decoding: one token at a time
-                o, cache = self._step(x[:, t : t + 1], cache)
+                # the rings are written in place once they are this call's own, or the caller hands the
+                # cache on (use_cache): as KVCache, a cache serves one continuation
+                o, cache = self._step(x[:, t : t + 1], cache, inplace=use_cache or t > 0)
                 outs.append(o)
             return self.out(torch.cat(outs, dim=1)), (cache if use_cache else None)
         q, k, v = self.qkv(x)
@@ -126,11 +130,12 @@ class SlidingWindowAttention(QKVAttention):
     def _scale(self) -> float:
         return self.head_dim**-0.5 if self.scale is None else float(self.scale)
 
-    def _step(self, x: torch.Tensor, cache: LongformerCache):
+    def _step(self, x: torch.Tensor, cache: LongformerCache, inplace: bool):
         q, k, v = self.qkv(x)
         k, v = self.repeat_kv(k, 2), self.repeat_kv(v, 2)  # [B,1,H,D]
         p = cache.window.pos
-        o, win = sliding_window_step(q[:, 0], k[:, 0], v[:, 0], cache.window, scale=self.scale, **self._kw())
+        o, win = sliding_window_step(q[:, 0], k[:, 0], v[:, 0], cache.window, scale=self.scale, inplace=inplace,
+                                     **self._kw())
         gk, gv = cache.global_k, cache.global_v
         if self.global_tokens is not None and p <= self.global_tokens[-1]:
             gk = torch.cat([gk, self._heads(self.k_global(x)).transpose(1, 2)], dim=2)  # [B,H,P+1,D]

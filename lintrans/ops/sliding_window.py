@@ -319,8 +319,12 @@ def sliding_window_attention(
     dtype = compute_dtype(q.dtype)
     if causal and dilation == 1 and (gidx is None or gidx.numel() == 0) and q.device.type == "cpu":
         # the common case, block by block; an accelerator keeps SDPA's fused kernels (this path's
-        # many small per-head kernels suit a CPU's caches, not a GPU's launch costs)
-        return _SlidingWindowCausal.apply(q, k, v, _plan(B, T, H, window, scale, dtype))
+        # many small per-head kernels suit a CPU's caches, not a GPU's launch costs). 16-bit inputs
+        # reach the fused kernel as float32 copies, made once: the float32 the blocks compute in anyway
+        out_dtype, up = v.dtype, [x.to(dtype) for x in (q, k, v)]
+        if native_sw.supports(*up):
+            q, k, v = up
+        return _SlidingWindowCausal.apply(q, k, v, _plan(B, T, H, window, scale, dtype)).to(out_dtype)
     qh, kh, vh = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B,H,T,D]
     back, fwd = (min(r, T - 1) for r in _band_reach(window, dilation, causal))  # no key lies further
     # query blocks of C rows, each against the L = C + back + fwd keys its bands cover (plus the
@@ -389,16 +393,19 @@ def sliding_window_step(
     dilation: int = 1,
     global_tokens=None,
     scale: Optional[float] = None,
+    inplace: bool = False,
 ) -> Tuple[torch.Tensor, SlidingWindowCache]:
     """One causal token: q, k [B, H, Dk], v [B, H, Dv] -> (o [B, H, Dv], cache).
 
     Memory is constant in the generated length: (window - 1) * dilation + 1 ring entries plus the
     keys up to the last global position. global_tokens: positions (absolute, from 0) or a bool mask.
+    inplace: write the new key and value into ``cache``'s rings instead of copies of them, for a
+    decoding loop that owns its cache (the cache passed in is then spent: it shares the returned
+    one's rings). Ignored where autograd records the rings or the new key or value.
     """
     B, _, H, Dk, Dv = check_qkv(q, k, v, layout="[B, H, D]")
     _check_common(window, dilation, True, scale)
-    gidx = global_positions(global_tokens, None)
-    gidx = gidx if gidx is not None and gidx.numel() else None
+    gl = _global_list(global_tokens)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
     R = (window - 1) * dilation + 1
@@ -419,30 +426,52 @@ def sliding_window_step(
             + (f"rings {list(cache.ring_k.shape)} and {list(cache.ring_v.shape)} in {cache.ring_k.dtype}"
                if isinstance(cache, SlidingWindowCache) else type(cache).__name__)
         )
+    check_bool("inplace", inplace)
     p = cache.pos
     qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
-    ring_k, ring_v = cache.ring_k.clone(), cache.ring_v.clone()
+    ring_k, ring_v = cache.ring_k, cache.ring_v
+    records = torch.is_grad_enabled() and any(x.requires_grad for x in (ring_k, ring_v, kd, vd))
+    if not inplace or records:  # an in-place write would change what the caller (or autograd) still holds
+        ring_k, ring_v = ring_k.clone(), ring_v.clone()
     ring_k[:, :, p % R] = kd
     ring_v[:, :, p % R] = vd
     prefix_k, prefix_v = cache.prefix_k, cache.prefix_v
-    if gidx is not None and p <= int(gidx.max()):
+    if gl and p <= gl[-1]:
         prefix_k = torch.cat([prefix_k, kd[:, :, None]], dim=2)
         prefix_v = torch.cat([prefix_v, vd[:, :, None]], dim=2)
     new_cache = SlidingWindowCache(ring_k, ring_v, prefix_k, prefix_v, p + 1)
-    if gidx is not None and bool((gidx == p).any()):  # a global row: every key so far
-        s = torch.einsum("bhd,bhjd->bhj", qd, prefix_k)
-        return torch.einsum("bhj,bhjd->bhd", s.softmax(-1), prefix_v).to(q.dtype), new_cache
-    slot_pos = p - torch.arange(R, device=q.device)  # positions the band may hold, newest first
-    band = (slot_pos >= 0) & (torch.arange(R, device=q.device) % dilation == 0)
-    keys_k, keys_v = ring_k[:, :, slot_pos % R], ring_v[:, :, slot_pos % R]  # [B,H,R,D]
-    mask = band
-    if gidx is not None:
-        g = gidx[(gidx < p) & ~_in_band(p - gidx, window, dilation, True)].to(q.device)
-        keys_k = torch.cat([keys_k, prefix_k[:, :, g]], dim=2)
-        keys_v = torch.cat([keys_v, prefix_v[:, :, g]], dim=2)
-        mask = torch.cat([band, torch.ones_like(g, dtype=torch.bool)])
-    s = torch.einsum("bhd,bhjd->bhj", qd, keys_k).masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhj,bhjd->bhd", s.softmax(-1), keys_v).to(q.dtype), new_cache
+    qd = qd[:, :, None]  # [B,H,1,Dk]
+    if p in gl:  # a global row: every key so far
+        s = qd @ prefix_k.transpose(-1, -2)  # [B,H,1,P]
+        return (s.softmax(-1) @ prefix_v)[:, :, 0].to(q.dtype), new_cache
+    s = qd @ ring_k.transpose(-1, -2)  # [B,H,1,R]: the ring in slot order (softmax ignores the keys' order)
+    if p < R - 1 or dilation > 1:  # else every slot holds a key of the band
+        back = (p - torch.arange(R, device=q.device)) % R  # slot j holds the position `back` tokens before p
+        s = s.masked_fill((back > p) | (back % dilation != 0), float("-inf"))
+    g = [x for x in gl if x < p and not _in_band_of(p - x, window, dilation)]
+    if not g:
+        return (s.softmax(-1) @ ring_v)[:, :, 0].to(q.dtype), new_cache
+    # global keys outside the band, scored beside the ring (not copied into it: that copies the ring)
+    sel = slice(g[0], g[-1] + 1) if g[-1] - g[0] + 1 == len(g) else g  # a run of positions (a sink): a view
+    gk, gv = prefix_k[:, :, sel], prefix_v[:, :, sel]  # [B,H,G,D]
+    w = torch.cat([s, qd @ gk.transpose(-1, -2)], dim=-1).softmax(-1)  # [B,H,1,R+G]
+    return (w[..., :R] @ ring_v + w[..., R:] @ gv)[:, :, 0].to(q.dtype), new_cache
+
+
+def _global_list(global_tokens) -> list:
+    """global_tokens -> sorted unique positions as Python ints (a step's few lookups; a list of
+    non-negative ints, as the layer passes, without building a tensor)."""
+    if isinstance(global_tokens, (list, tuple)) and all(type(x) is int and x >= 0 for x in global_tokens):
+        return sorted(set(global_tokens))
+    gidx = global_positions(global_tokens, None)
+    return [] if gidx is None else gidx.tolist()
+
+
+def _in_band_of(offset: int, window: int, dilation: int) -> bool:
+    """_in_band for one causal offset, in Python."""
+    return 0 <= offset <= (window - 1) * dilation and offset % dilation == 0
+
+
 
 
 def sliding_window_attention_reference(

@@ -132,9 +132,13 @@ def test_large_scores_match_the_reference():
     assert_float32_matches_reference(o, q, k, v, window=7, global_tokens=[0, 3])
 
 
-@pytest.mark.parametrize("window, dilation, glob", [(1, 1, None), (4, 1, None), (3, 3, [0, 2]), (5, 2, [0, 9])])
+@pytest.mark.parametrize("window, dilation, glob", [(1, 1, None), (4, 1, None), (3, 3, [0, 2]), (5, 2, [0, 9]),
+                                                    (4, 1, [0, 1]), (3, 1, (9, 0, 2))])
 @pytest.mark.parametrize("prompt", [1, 6])
-def test_decode_equals_forward_with_constant_memory(window, dilation, glob, prompt):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_decode_equals_forward_with_constant_memory(window, dilation, glob, prompt, inplace):
+    """Every branch of the step: the ring before and after it fills, dilated slots, global keys in a
+    run (a view of the prefix) or scattered, in the band or out of it, global rows."""
     T = 20
     q, k, v = inputs(2, T, 2, 4, 3, seed=4)
     full = sliding_window_attention(q, k, v, window=window, dilation=dilation, global_tokens=glob)
@@ -142,7 +146,7 @@ def test_decode_equals_forward_with_constant_memory(window, dilation, glob, prom
     outs, sizes = [], set()
     for t in range(prompt, T):
         o, cache = sliding_window_step(
-            q[:, t], k[:, t], v[:, t], cache, window=window, dilation=dilation, global_tokens=glob
+            q[:, t], k[:, t], v[:, t], cache, window=window, dilation=dilation, global_tokens=glob, inplace=inplace
         )
         outs.append(o)
         if t > 10:  # past the last global token: nothing grows any more
@@ -150,6 +154,35 @@ def test_decode_equals_forward_with_constant_memory(window, dilation, glob, prom
     torch.testing.assert_close(torch.stack(outs, 1), full[:, prompt:], rtol=1e-10, atol=1e-10)
     assert len(sizes) == 1
     assert cache.ring_k.shape[2] == (window - 1) * dilation + 1 and cache.pos == T
+
+
+def test_step_leaves_the_cache_it_was_given_unless_inplace():
+    q, k, v = inputs(1, 9, 2, 4, 3, seed=5)
+    cache = sliding_window_cache(k[:, :8], v[:, :8], window=4)
+    before = [x.clone() for x in cache[:4]]
+    o, new = sliding_window_step(q[:, 8], k[:, 8], v[:, 8], cache, window=4)
+    for x, y in zip(cache[:4], before):
+        assert torch.equal(x, y)
+    o2, new2 = sliding_window_step(q[:, 8], k[:, 8], v[:, 8], cache, window=4, inplace=True)
+    assert torch.equal(o2, o) and new2.ring_k is cache.ring_k and torch.equal(cache.ring_k, new.ring_k)
+    with pytest.raises(TypeError, match="inplace"):
+        sliding_window_step(q[:, 8], k[:, 8], v[:, 8], cache, window=4, inplace="yes")
+
+
+def test_inplace_step_is_ignored_where_autograd_records():
+    """Gradients through steps asked to write in place equal those of the full forward: the rings are
+    copied where autograd saved them for backward."""
+    q, k, v = (x.requires_grad_() for x in inputs(1, 12, 2, 4, 3, seed=6))
+    full = sliding_window_attention(q, k, v, window=3, global_tokens=[0])
+    dout = torch.randn_like(full)
+    want = torch.autograd.grad(full, (q, k, v), dout)
+    cache, outs = None, []
+    for t in range(12):
+        o, cache = sliding_window_step(q[:, t], k[:, t], v[:, t], cache, window=3, global_tokens=[0], inplace=True)
+        outs.append(o)
+    got = torch.autograd.grad(torch.stack(outs, 1), (q, k, v), dout)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 def test_step_from_empty_cache():
@@ -245,9 +278,10 @@ def test_causal_fast_path_large_scores(fast_path_sizes, path):
     assert took(path)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_fast_path_low_precision(dtype):
-    """16-bit and float32 inputs compute in float32 and return their own dtype; autocast stays off inside."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_causal_fast_path_low_precision(dtype, path):
+    """16-bit and float32 inputs compute in float32 and return their own dtype; autocast stays off
+    inside; 16-bit inputs reach the fused kernel (as float32 copies) where it is built."""
     q, k, v = inputs(1, 70, 2, 8, 8, seed=9)
     want = sliding_window_attention_reference(q, k, v, window=9)
     ql, kl, vl = (x.to(dtype).requires_grad_(True) for x in (q, k, v))
@@ -258,6 +292,7 @@ def test_causal_fast_path_low_precision(dtype):
     torch.testing.assert_close(o.double(), want, rtol=tol, atol=tol)
     o.float().sum().backward()
     assert all(x.grad.dtype == dtype and torch.isfinite(x.grad).all() for x in (ql, kl, vl))
+    assert took(path)
 
 
 @pytest.mark.parametrize(
