@@ -377,6 +377,9 @@ def run(args) -> int:
             raise ValueError(f"--sizes: generate measures one model size, got {len(opts.sizes)}")
     except (ValueError, TypeError) as e:
         raise SystemExit(f"lintrans bench: {e}")
+    if args.which == "all" and opts.sizes and len(opts.sizes) > 1:
+        print(f"lintrans bench all: train measures every size of --sizes, generate the first ({opts.sizes[0]})",
+              file=sys.stderr)
     prof = build_profile(opts)
     if opts.threads:
         torch.set_num_threads(opts.threads)

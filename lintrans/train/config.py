@@ -126,11 +126,12 @@ class TrainConfig:
             raise ValueError(f"config key 'train.precision' 'fp16' needs a CUDA device (gradient scaling); "
                              f"train.device is {self.train.device!r}")
         gpt = self.gpt_config(vocab_size=self.model.get("vocab_size", 64))  # model keys and values
+        # so that --print-config fails like a run; with init_from and no model.attention the options are
+        # the checkpoint's attention's, checked when its weights are read (in the run's plan)
         if not (self.train.init_from and "attention" not in self.model):
             from lintrans.nn.registry import check_attention
 
-            check_attention(gpt)  # so --print-config fails like a run  # else the options are the checkpoint's attention's, checked when it is read
-        # with init_from the model is the initial weights' (checked when they are read, in the run's plan)
+            check_attention(gpt)
         if self.train.context_parallel > 1 and not self.train.init_from:
             check_context_parallel(gpt.attention, gpt.block_size, self.train.context_parallel)
         if self.train.parallel == "fsdp" and not self.train.init_from:

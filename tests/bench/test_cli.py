@@ -488,3 +488,14 @@ def test_options_at_their_default_and_bench_all_take_every_option(monkeypatch):
     assert main(["bench", "loss", "--dtype", "float32", "--T", "256"]) == 0  # the default changes nothing
     assert main(["bench", "all", "--dtype", "bfloat16", "--forms", "chunked", "--T", "256"]) == 0
     assert ran == ["loss", *bench_cli.BENCHMARKS]
+
+
+def test_bench_all_says_which_size_generate_measures(monkeypatch, capsys):
+    """`bench all --sizes A B`: train measures both, generate one model; the run says which."""
+    from lintrans.bench import cli as bench_cli
+
+    seen = []
+    monkeypatch.setattr(bench_cli, "run_benchmark", lambda which, prof, **k: seen.append((which, prof.sizes)))
+    assert main(["bench", "all", "--sizes", "4L-128", "12L-128"]) == 0
+    assert "generate the first (4L-128)" in capsys.readouterr().err
+    assert ("generate", ("4L-128", "12L-128")) in seen
