@@ -87,9 +87,10 @@ def _pattern_on(device: torch.device, n: int, window_blocks: int, global_blocks:
     pattern = block_pattern(n, window_blocks=window_blocks, global_blocks=global_blocks,
                             random_blocks=random_blocks, seed=seed, causal=causal)
     K = max(len(p) for p in pattern)
-    idx = torch.tensor([p + [p[-1]] * (K - len(p)) for p in pattern])
-    slot_ok = torch.tensor([[s < len(p) for s in range(K)] for p in pattern])
-    return idx.to(device), slot_ok.to(device)
+    with torch.inference_mode(False):  # a cached tensor made under inference_mode could not be saved for backward
+        idx = torch.tensor([p + [p[-1]] * (K - len(p)) for p in pattern])
+        slot_ok = torch.tensor([[s < len(p) for s in range(K)] for p in pattern])
+        return idx.to(device), slot_ok.to(device)
 
 
 def bigbird_attention(

@@ -76,7 +76,8 @@ def lsh_rotations(H: int, D: int, n_buckets: int, n_hashes: int, seed: int) -> t
     """The random rotations [H, n_hashes, D, n_buckets // 2] (float64, CPU), from ``seed`` alone.
     Drawn round by round, so more hashes only add rounds: the first rounds stay the same."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n_hashes, H, D, n_buckets // 2, generator=g, dtype=torch.float64).transpose(0, 1)
+    with torch.inference_mode(False):  # cached: an inference tensor could not be saved for backward later
+        return torch.randn(n_hashes, H, D, n_buckets // 2, generator=g, dtype=torch.float64).transpose(0, 1)
 
 
 @eager_only  # a cached constant: torch.compile would trace the seeded draw and warn of the cache
@@ -84,7 +85,8 @@ def lsh_rotations(H: int, D: int, n_buckets: int, n_hashes: int, seed: int) -> t
 def _rotations_on(device: torch.device, *key) -> torch.Tensor:
     """``lsh_rotations(*key)`` on ``device``, copied there once: a copy per call would be a
     host-to-device transfer (and on CUDA a wait for the device) in every forward."""
-    return lsh_rotations(*key).to(device)
+    with torch.inference_mode(False):  # cached, as lsh_rotations
+        return lsh_rotations(*key).to(device)
 
 
 def lsh_buckets(qk: torch.Tensor, *, n_buckets: int, n_hashes: int = 2, seed: int = 0) -> torch.Tensor:

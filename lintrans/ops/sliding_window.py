@@ -419,19 +419,21 @@ def sliding_window_step(
         or cache.ring_k.shape != (B, H, R, Dk)
         or cache.ring_v.shape != (B, H, R, Dv)
         or cache.ring_k.dtype != dtype
+        or cache.ring_v.dtype != dtype
+        or not (isinstance(cache.pos, int) and cache.pos >= 0)
     ):
         raise ValueError(
             f"cache must be a SlidingWindowCache with rings of shape {[B, H, R, Dk]} and {[B, H, R, Dv]} in {dtype} "
-            "(same window, dilation and batch as the calls that built it), got "
-            + (f"rings {list(cache.ring_k.shape)} and {list(cache.ring_v.shape)} in {cache.ring_k.dtype}"
+            "at a position >= 0 (same window, dilation and batch as the calls that built it), got "
+            + (f"rings {list(cache.ring_k.shape)} and {list(cache.ring_v.shape)} in {cache.ring_k.dtype} and "
+               f"{cache.ring_v.dtype} at position {cache.pos!r}"
                if isinstance(cache, SlidingWindowCache) else type(cache).__name__)
         )
     check_bool("inplace", inplace)
     p = cache.pos
     qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
     ring_k, ring_v = cache.ring_k, cache.ring_v
-    records = torch.is_grad_enabled() and any(x.requires_grad for x in (ring_k, ring_v, kd, vd))
-    if not inplace or records:  # an in-place write would change what the caller (or autograd) still holds
+    if not (inplace and _writable(ring_k, ring_v, q, k, v)):  # else copies: the caller keeps its rings
         ring_k, ring_v = ring_k.clone(), ring_v.clone()
     ring_k[:, :, p % R] = kd
     ring_v[:, :, p % R] = vd
@@ -456,6 +458,21 @@ def sliding_window_step(
     gk, gv = prefix_k[:, :, sel], prefix_v[:, :, sel]  # [B,H,G,D]
     w = torch.cat([s, qd @ gk.transpose(-1, -2)], dim=-1).softmax(-1)  # [B,H,1,R+G]
     return (w[..., :R] @ ring_v + w[..., R:] @ gv)[:, :, 0].to(q.dtype), new_cache
+
+
+def _writable(ring_k, ring_v, *inputs) -> bool:
+    """Whether a step may write into these rings: not where autograd saved them or will (a ring that
+    requires grad was saved by earlier steps, whatever the grad mode now; inputs that require grad
+    make this step save them), not an inference tensor outside inference mode, not a broadcast view
+    (an expanded prompt cache: one memory location behind several rows)."""
+    rings = (ring_k, ring_v)
+    if any(r.requires_grad for r in rings):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return False
+    if not torch.is_inference_mode_enabled() and any(r.is_inference() for r in rings):
+        return False
+    return all(r.is_contiguous() for r in rings)
 
 
 def _global_list(global_tokens) -> list:

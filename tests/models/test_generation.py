@@ -194,3 +194,19 @@ def test_generation_without_positions_keeps_the_recurrent_state(attention):
     out = model.generate(prompt, 100, temperature=0)  # 110 > block_size 64: nothing cropped
     logits, _ = model(out[:, :-1])  # the whole sequence in one forward: no position limit
     assert torch.equal(out[:, 10:], logits[:, 9:].argmax(-1))
+
+
+@pytest.mark.parametrize("attention", available_attention())
+def test_inference_mode_first_then_training(attention):
+    """Constants an op caches (BigBird's block pattern, LSH's rotations, causal masks) made during a
+    first call under torch.inference_mode must not be inference tensors: a later training step saves
+    them for backward (BigBird's pattern failed so). T = 61 is used by no other test, so the
+    caches are first filled here."""
+    model = GPT(tiny(attention=attention))
+    idx = torch.randint(0, 53, (1, 61), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(idx)
+        model.generate(idx[:, :7], 3)
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -101,3 +101,76 @@ def test_an_empty_sequence_is_an_empty_output_or_a_clear_error(name):
         assert "at least 1" in str(e)
     else:
         assert y.shape == (2, 0, 32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decoding_across_grad_modes_and_a_broadcast_prompt(name):
+    """Caches a user builds in one mode and continues in another: a prefill under inference_mode
+    continued under no_grad; steps with gradients, one step without, then backward; a batch-1
+    prompt's cache expanded to two rows. The in-place writes must step aside in each (the sliding
+    window's ring once wrote into all three)."""
+    layer = layer_of(name)
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    full, _ = layer(x)
+    with torch.inference_mode():
+        _, cache = layer(x[:, :5], use_cache=True)
+    with torch.no_grad():
+        for t in range(5, 10):
+            y, cache = layer(x[:, t : t + 1], cache=cache, use_cache=True)
+    torch.testing.assert_close(y, full[:, 9:], atol=1e-10, rtol=1e-9)
+
+    xg = x.clone().requires_grad_()
+    _, cache = layer(xg[:, :5], use_cache=True)
+    ys = []
+    for t in range(5, 8):
+        y, cache = layer(xg[:, t : t + 1], cache=cache, use_cache=True)
+        ys.append(y)
+    with torch.no_grad():
+        layer(xg[:, 8:9], cache=cache, use_cache=True)
+    torch.cat(ys, 1).sum().backward()
+    assert torch.isfinite(xg.grad).all()
+
+    same = x[:1].expand(2, -1, -1)
+    with torch.no_grad():
+        _, cache = layer(same[:1, :5], use_cache=True)
+        cache = _expand(cache, 2)
+        for t in range(5, 10):
+            y, cache = layer(same[:, t : t + 1], cache=cache, use_cache=True)
+    torch.testing.assert_close(y, full[:1, 9:].expand(2, -1, -1), atol=1e-10, rtol=1e-9)
+
+
+def _expand(cache, B):
+    """A batch-1 cache broadcast to B rows without copying (expand on every tensor in it)."""
+    if isinstance(cache, torch.Tensor):
+        return cache.expand(B, *cache.shape[1:]) if cache.dim() and cache.shape[0] == 1 else cache
+    if isinstance(cache, tuple) and hasattr(cache, "_fields"):
+        return type(cache)(*(_expand(c, B) for c in cache))
+    if isinstance(cache, (tuple, list)):
+        return type(cache)(_expand(c, B) for c in cache)
+    if hasattr(cache, "__dict__"):
+        import copy
+
+        out = copy.copy(cache)
+        for k, v in vars(cache).items():
+            setattr(out, k, _expand(v, B))
+        return out
+    return cache
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_deep_copy_of_a_cache_branches(name):
+    """A cache serves one continuation (KV caches and the sliding window's ring are written in place);
+    copy.deepcopy gives a branch that decodes as if the other never ran."""
+    import copy
+
+    layer = layer_of(name)
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    full, _ = layer(x)
+    with torch.no_grad():
+        _, cache = layer(x[:, :6], use_cache=True)
+        branch = copy.deepcopy(cache)
+        for t in range(6, 12):
+            _, cache = layer(x[:, t : t + 1], cache=cache, use_cache=True)
+        for t in range(6, 9):
+            y, branch = layer(x[:, t : t + 1], cache=branch, use_cache=True)
+    torch.testing.assert_close(y, full[:, 8:9], atol=1e-10, rtol=1e-9)

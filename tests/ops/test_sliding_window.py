@@ -169,20 +169,37 @@ def test_step_leaves_the_cache_it_was_given_unless_inplace():
         sliding_window_step(q[:, 8], k[:, 8], v[:, 8], cache, window=4, inplace="yes")
 
 
-def test_inplace_step_is_ignored_where_autograd_records():
+@pytest.mark.parametrize("needs_grad", ["qkv", "q"])
+def test_inplace_step_is_ignored_where_autograd_records(needs_grad):
     """Gradients through steps asked to write in place equal those of the full forward: the rings are
-    copied where autograd saved them for backward."""
-    q, k, v = (x.requires_grad_() for x in inputs(1, 12, 2, 4, 3, seed=6))
+    copied where autograd saved them for backward (also when only q needs a gradient: the scores
+    save the rings)."""
+    q, k, v = inputs(1, 12, 2, 4, 3, seed=6)
+    wrt = [x.requires_grad_() for x, name in zip((q, k, v), "qkv") if name in needs_grad]
     full = sliding_window_attention(q, k, v, window=3, global_tokens=[0])
     dout = torch.randn_like(full)
-    want = torch.autograd.grad(full, (q, k, v), dout)
+    want = torch.autograd.grad(full, wrt, dout)
     cache, outs = None, []
     for t in range(12):
         o, cache = sliding_window_step(q[:, t], k[:, t], v[:, t], cache, window=3, global_tokens=[0], inplace=True)
         outs.append(o)
-    got = torch.autograd.grad(torch.stack(outs, 1), (q, k, v), dout)
+    got = torch.autograd.grad(torch.stack(outs, 1), wrt, dout)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("change", ["ring_v_dtype", "negative_pos", "float_pos"])
+def test_step_refuses_a_broken_cache_before_writing(change):
+    q, k, v = inputs(1, 9, 2, 4, 4, seed=5)
+    cache = sliding_window_cache(k[:, :8], v[:, :8], window=4)
+    if change == "ring_v_dtype":
+        cache = cache._replace(ring_v=cache.ring_v.float())
+    else:
+        cache = cache._replace(pos=-1 if change == "negative_pos" else 8.0)
+    before = [x.clone() for x in cache[:4]]
+    with pytest.raises(ValueError, match="cache must be a SlidingWindowCache"):
+        sliding_window_step(q[:, 8], k[:, 8], v[:, 8], cache, window=4, inplace=True)
+    assert all(torch.equal(x, y) for x, y in zip(cache[:4], before))
 
 
 def test_step_from_empty_cache():

@@ -120,7 +120,8 @@ def _chunk_scores(fq3, fk3, b, shape):
 
 @functools.lru_cache(maxsize=16)
 def _lower_ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=dtype, device=device).tril_()
+    with torch.inference_mode(False):  # cached: an inference tensor could not be saved for backward later
+        return torch.ones(n, n, dtype=dtype, device=device).tril_()
 
 
 def _scan_(Y: torch.Tensor, g: Optional[torch.Tensor], reverse: bool = False) -> torch.Tensor:
