@@ -466,6 +466,42 @@ def find_in_hf_cache(name: str) -> tuple[Optional[Path], list[Path]]:
     return None, looked
 
 
+def trained_tokenizer(name_or_path) -> Optional[str]:
+    """The tokenizer weights were trained with, where their folder says so: a lintrans checkpoint's
+    config.json names it; a Hugging Face GPT-2 config (model_type gpt2, 50257 tokens or more) is
+    GPT-2's. None where it is not known (a nanoGPT file, another model type, no such path)."""
+    from lintrans.tokenizer import TOKENIZERS
+
+    if not name_or_path:
+        return None
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        if Path(str(path) + ".old").is_dir():
+            path = Path(str(path) + ".old")  # a save stopped between its two renames: what load_model reads too
+        else:
+            text = os.fspath(name_or_path)
+            if text.startswith(("/", ".", "~")):
+                return None
+            path = find_in_hf_cache(text)[0]
+            if path is None:
+                return None
+    config = path / "config.json" if path.is_dir() else path
+    if config.name != "config.json" or not config.is_file():
+        return None
+    try:
+        d = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    if d.get("tokenizer") in TOKENIZERS:
+        return d["tokenizer"]
+    vocab = d.get("vocab_size")
+    if d.get("model_type") == "gpt2" and isinstance(vocab, int) and vocab >= 50257:
+        return "gpt2"
+    return None
+
+
 def from_pretrained(name_or_path: str = "gpt2", **overrides) -> GPT:
     """A local folder/file, or a model name found in the local Hugging Face cache; never downloads."""
     if not isinstance(name_or_path, (str, os.PathLike)):

@@ -30,31 +30,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), auto, cuda, cuda:N or mps")
 
 
-def _saved_tokenizer(checkpoint) -> str | None:
-    """The tokenizer a lintrans training checkpoint records in its config.json (the folder's, or the
-    file itself when given), if any."""
-    import json
-    from pathlib import Path
-
-    if not checkpoint:
-        return None
-    path = Path(checkpoint)
-    if not path.exists() and Path(str(path) + ".old").is_dir():
-        path = Path(str(path) + ".old")  # a save stopped between its two renames: what load_model reads too
-    path = path / "config.json" if path.is_dir() else path
-    if path.name != "config.json" or not path.is_file():
-        return None
-    try:
-        name = json.loads(path.read_text()).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return name if name in ("gpt2", "bytes") else None
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .hf import from_pretrained, load_model
+    from .hf import from_pretrained, load_model, trained_tokenizer
 
     from lintrans.device import resolve_device
 
@@ -73,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from lintrans.tokenizer import GPT2Tokenizer, get_tokenizer
 
     # a model too small for GPT-2's vocabulary is a byte model (lintrans pads 257 bytes to 320)
-    name = args.tokenizer or _saved_tokenizer(args.checkpoint or args.hf) or (
+    name = args.tokenizer or trained_tokenizer(args.checkpoint or args.hf) or (
         "bytes" if model.config.vocab_size < GPT2Tokenizer.vocab_size else "gpt2"
     )
     tok = get_tokenizer(name)

@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     overrides += [f"{key}={value}" for key, value in flags]
     config = args.config
     try:  # whether the command line starts from weights (an empty value does not)
-        fine_tune = bool(load_config(None, [o for o in overrides if o.split("=", 1)[0].strip() == "train.init_from"])
-                         .train.init_from)
+        init_from = load_config(None, [o for o in overrides if o.split("=", 1)[0].strip() == "train.init_from"]
+                                ).train.init_from
+        fine_tune = bool(init_from)
     except (ValueError, TypeError) as e:
         print(f"lintrans train: {e}", file=sys.stderr)
         return 2
@@ -72,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
         if fine_tune:
             print("lintrans train: no --config given, using the shipped 'tiny' config's data, optimizer and "
                   "training settings; the model is train.init_from's", file=sys.stderr)
+            from lintrans.models.hf import trained_tokenizer
+
+            given = {o.split("=", 1)[0].strip() for o in overrides}
+            theirs = trained_tokenizer(init_from)
+            if "data.tokenizer" not in given and theirs is not None:
+                # the tiny config's tokenizer (bytes) would feed GPT-2's weights byte ids as their tokens
+                overrides.append(f"data.tokenizer={theirs}")
+                print(f"lintrans train: data.tokenizer {theirs}, the initial weights' own", file=sys.stderr)
         else:
             print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, "
                   "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
