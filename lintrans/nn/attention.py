@@ -24,6 +24,7 @@ from lintrans.config import set_key
 from lintrans.ops.feature_maps import FEATURE_MAPS
 from lintrans.ops.context_parallel import context_parallel_linear_attention
 from lintrans.ops.linear import FORMS, linear_attention, linear_attention_step
+from lintrans.ops.validation import gates_from_layer
 
 from .feature_maps import Hedgehog, Performer, ReBased
 from .registry import register_attention
@@ -400,9 +401,10 @@ class LinearAttention(QKVAttention):
         ld = self.log_decay(x)  # None, [B,T,H] or [H]
         if cache is not None and x.shape[1] == 1:
             step_ld = ld[:, 0] if ld is not None and ld.dim() == 3 else ld
-            o, state = linear_attention_step(
-                q[:, 0], k[:, 0], v[:, 0], cache, feature_map=phi, log_decay=step_ld, **self.kw
-            )
+            with gates_from_layer():  # the layer's decays (-softplus, RetNet's constants) are in range
+                o, state = linear_attention_step(
+                    q[:, 0], k[:, 0], v[:, 0], cache, feature_map=phi, log_decay=step_ld, **self.kw
+                )
             o = o[:, None]  # [B,1,H,D]
         elif self.context_parallel is not None:  # this rank's slice of a sequence split over processes
             o, state = context_parallel_linear_attention(

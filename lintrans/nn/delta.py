@@ -38,6 +38,7 @@ from lintrans.ops.delta.api import NATIVE_CHUNK
 from lintrans.ops.delta.reference import l2_normalized
 from lintrans.ops.fla_backend import check_fla_form
 from lintrans.ops.linear import linear_attention, linear_attention_step
+from lintrans.ops.validation import gates_from_layer
 
 from .attention import LinearAttention, QKVAttention, check_options
 from .registry import register_attention
@@ -125,6 +126,8 @@ def causal_conv(u: torch.Tensor, weight: torch.Tensor, prev: Optional[torch.Tens
         raise ValueError(f"cache: the convolution's last inputs are {list(prev.shape)} [B, K-1, W]; this input "
                          f"needs {[B, K - 1, W]} (a batch of another size needs its own cache)")
     full = torch.cat([prev.to(u.dtype), u], dim=1)  # [B, K-1+T, W]
+    if T == 1:  # a decoding step: one product and a sum over the K inputs, fewer ops than the loop below
+        return (full * weight[:, 0, :].T.to(u.dtype)).sum(1, keepdim=True), full[:, 1:]
     # conv1d's cross-correlation y_t = sum_j w_j full_{t+j} as K shifted multiply-adds in [B, T, W]: conv1d
     # wants [B, W, T] and gave q, k, v a last-dimension stride of T, which the op's kernels then copied (3
     # tensors, forward and backward), and it is slower than these for a kernel of 4
@@ -210,8 +213,9 @@ class DeltaNet(QKVAttention):
         if self.rule == "linear":
             o, S = self.additive_rule(q, k, v, beta, ld, S, cache is not None and T == 1, use_cache)
         elif cache is not None and T == 1:
-            o, S = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], S,
-                                   log_decay=None if ld is None else ld[:, 0])
+            with gates_from_layer():  # beta and the decay come from sigmoid and -softplus: in range
+                o, S = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], S,
+                                       log_decay=None if ld is None else ld[:, 0])
             o = o[:, None]  # [B,1,H,D]
         else:
             o, S = delta_rule(q, k, v, beta, log_decay=ld, form=self.form, chunk_size=self.chunk_size,
@@ -231,7 +235,8 @@ class DeltaNet(QKVAttention):
         opts = dict(feature_map="identity", normalize=False, scale=self.head_dim ** -0.5)
         if step:
             ld = None if ld is None else ld[:, 0]
-            o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, log_decay=ld, **opts)
+            with gates_from_layer():
+                o, state = linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state, log_decay=ld, **opts)
             return o[:, None], state  # [B,1,H,D]
         return linear_attention(q, k, v, form=ADDITIVE_FORM[self.form], chunk_size=self.chunk_size or ADDITIVE_CHUNK,
                                 log_decay=ld, initial_state=state, output_final_state=use_cache,

@@ -73,8 +73,13 @@ class Retention(_GatedAttention):
     Options = RetentionOptions
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        # made per call (H numbers) rather than kept as a buffer, which .half() would round
-        return retnet_log_decays(self.n_head, x.device)  # [H]
+        # H constants kept in a plain attribute, not a buffer (which .half() would round), made once per
+        # device (they were made every call: a tenth of a decoding step)
+        cached = self.__dict__.get("_log_decays")
+        if cached is None or cached.device != x.device:
+            with torch.inference_mode(False):  # a cached inference tensor could not be saved for backward
+                cached = self.__dict__["_log_decays"] = retnet_log_decays(self.n_head, x.device)  # [H]
+        return cached
 
 
 class DecayGate(nn.Module):

@@ -130,8 +130,11 @@ def cosformer_step(
     if max_len is None:
         raise ValueError("cosformer_step needs a fixed max_len (the M the whole sequence uses)")
     _check_max_len(max_len, offset + 1, "decoding")
-    pos = torch.tensor([offset], device=q.device)
-    fq, fk = (_features(x[:, None], pos, max_len, dtype)[:, 0] for x in (q, k))  # [B,H,2Dk]
+    # _features for one position, its angle a Python number: no tensor from a list, no cos/sin kernels,
+    # q and k in one pass (a decoding step's cost is its count of small ops)
+    a = (math.pi / 2) * offset / max_len
+    r = torch.relu(torch.stack([q, k]).to(dtype))  # [2,B,H,Dk]
+    fq, fk = torch.cat([r * math.cos(a), r * math.sin(a)], dim=-1).unbind(0)  # [B,H,2Dk] each
     o, (S, z) = linear_attention_step(fq, fk, v.to(dtype), inner, feature_map="identity", normalize=True, eps=eps)
     return o.to(q.dtype), CosformerState(S, z, offset + 1)
 

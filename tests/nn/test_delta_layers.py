@@ -388,18 +388,19 @@ def test_bf16_autocast_forward_and_decode(rule, learned_beta):
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
-def test_causal_conv_is_conv1d_and_keeps_the_channels_contiguous(K):
+@pytest.mark.parametrize("T", [9, 1])  # 1: a decoding step's own path
+def test_causal_conv_is_conv1d_and_keeps_the_channels_contiguous(K, T):
     """The short convolution equals F.conv1d (outputs and gradients, float64), and its output keeps
     [B, T, W] with unit stride along W: conv1d's transposed output gave q, k, v a stride of T there,
     which the delta-rule kernel copied on every call, forward and backward."""
     g = torch.Generator().manual_seed(K)
-    u, prev = (torch.randn(2, T, 6, dtype=torch.float64, generator=g, requires_grad=True) for T in (9, K - 1))
+    u, prev = (torch.randn(2, n, 6, dtype=torch.float64, generator=g, requires_grad=True) for n in (T, K - 1))
     w = torch.randn(6, 1, K, dtype=torch.float64, generator=g, requires_grad=True)
     y, last = causal_conv(u, w, prev)
     full = torch.cat([prev, u], 1)
     ref = F.conv1d(full.transpose(1, 2), w, groups=6).transpose(1, 2)
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-13)
-    torch.testing.assert_close(last, full[:, 9:], rtol=0, atol=0)
+    torch.testing.assert_close(last, full[:, T:], rtol=0, atol=0)
     dy = torch.randn(y.shape, dtype=torch.float64, generator=g)
     for a, b in zip(torch.autograd.grad((y * dy).sum(), (u, w)), torch.autograd.grad((ref * dy).sum(), (u, w))):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)

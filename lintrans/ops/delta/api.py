@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..linear.checks import check_log_decay, log_decay_head_first
-from ..validation import autocast_off, check_bool, check_number, check_positive_int, check_qkv, compute_dtype, reads_values
+from ..validation import autocast_off, check_bool, check_number, check_positive_int, check_qkv, compute_dtype, reads_gate_values
 from ..native import delta_rule as native_delta
 from . import chunked as _chunked_form
 from .reference import l2_normalized, step, token_loop
@@ -26,7 +26,7 @@ def _check_beta(beta, shape: tuple, layout: str, device) -> None:
         raise ValueError(f"beta must have shape {list(shape)} {layout}, got {list(beta.shape)}")
     if beta.device != device:
         raise ValueError(f"beta must be on {device} like q, got {beta.device}")
-    if reads_values(beta.device) and beta.numel():
+    if reads_gate_values(beta.device) and beta.numel():
         lo, hi = torch.aminmax(beta.detach())
         if not (lo >= 0 and hi <= 2):  # NaN fails both
             bad = ~((beta >= 0) & (beta <= 2))

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..feature_maps import resolve_feature_map
-from ..validation import check_number, compute_dtype, reads_values
+from ..validation import check_number, compute_dtype, reads_gate_values
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -56,7 +56,7 @@ def check_scalars(normalize, scale, eps):
 
 def check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> None:
     """Shapes always; values (finite, <= 0) only on the CPU, where checking them costs no device sync
-    (``reads_values``)."""
+    (``reads_gate_values``: not inside ``gates_from_layer``)."""
     layout = "[B, T, H] or [H]" if T is not None else "[B, H] or [H]"
     if not isinstance(log_decay, torch.Tensor):
         raise TypeError(f"log_decay must be None or a torch.Tensor {layout}, got {type(log_decay).__name__}")
@@ -67,7 +67,7 @@ def check_log_decay(log_decay, B: int, T: Optional[int], H: int, device) -> None
         raise ValueError(f"log_decay must have shape {list(full)} or [{H}] ({layout}), got {list(log_decay.shape)}")
     if log_decay.device != device:
         raise ValueError(f"log_decay must be on {device} like q, got {log_decay.device}")
-    if reads_values(log_decay.device) and log_decay.numel():  # an empty batch has no values to check
+    if reads_gate_values(log_decay.device) and log_decay.numel():  # an empty batch has no values to check
         lo, hi = torch.aminmax(log_decay)  # one pass; a NaN makes both NaN
         if not (hi <= 0 and lo > float("-inf")):
             bad = ~(log_decay <= 0) | torch.isinf(log_decay)  # NaN fails <= 0
