@@ -75,7 +75,8 @@ class BenchOptions:
     T: Optional[list[int]] = field(default=None, metadata={
         "help": "exactly these contexts instead of the powers of two up to --max-T", "low": 1})
     decoders: Optional[list[str]] = field(default=None, metadata={
-        "help": "generate: which caches to decode with: softmax, linear, gated-deltanet (default softmax and linear)"})
+        "help": "generate: the attentions to decode with (any of lintrans.nn.available_attention(), or all; "
+                "default softmax and linear)"})
     time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops",
                                                               "low": 0, "low_open": True})
     memory_cap_gb: Optional[float] = field(default=None, metadata={
@@ -306,10 +307,11 @@ def build_profile(args: BenchOptions) -> Profile:
             raise SystemExit("lintrans bench: give --T or --max-T, not both")
         prof.ops_T = prof.train_T = prof.generate_T = sorted(set(args.T))
     if args.decoders:
-        from .generate import DECODERS
+        from .generate import decoder_series
 
-        _each_one_of("--decoders", args.decoders, DECODERS)
-        prof.decoders = tuple(dict.fromkeys(args.decoders))
+        names = decoder_series()
+        _each_one_of("--decoders", args.decoders, [*names, "all"])
+        prof.decoders = tuple(names) if "all" in args.decoders else tuple(dict.fromkeys(args.decoders))
     if args.time_cap:
         prof.caps.time_s = args.time_cap
     mem = args.memory_cap_gb * 2**30 if args.memory_cap_gb else (_available_bytes() or 0) // 2

@@ -47,20 +47,28 @@ def make_decode_step(size: str, T: int, attention: str, max_T: int, device: str 
     return step, extra
 
 
-# attention -> series name
-DECODERS = {"softmax": "softmax KV cache", "linear": "linear state", "gated-deltanet": "gated-deltanet state"}
+# attention -> series name, for the series older records hold; every other attention is "<name> cache"
+NAMED = {"softmax": "softmax KV cache", "linear": "linear state", "gated-deltanet": "gated-deltanet state"}
+
+
+def decoder_series() -> dict[str, str]:
+    """Every attention a GPT can decode with -> its series name."""
+    from lintrans.nn import available_attention
+
+    return {**NAMED, **{a: f"{a} cache" for a in available_attention() if a not in NAMED and a != "none"}}
 
 
 def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str = "cpu", on_point=None,
-                 decoders=tuple(DECODERS)) -> list[Point]:
-    """``decoders``: which of ``DECODERS`` to run (the softmax prefill of a long context with a
+                 decoders=("softmax", "linear")) -> list[Point]:
+    """``decoders``: which attentions of ``decoder_series()`` to run (the softmax prefill of a long context with a
     large model takes minutes; its cache is in ``decode_lines`` from the cost model either way)."""
     max_T = max(Ts)
     # every step a point can time: warm-up, the repeats, and the repeats of each retime (with slack)
     steps = max(256, 2 * caps.repeats * (1 + caps.retimes) + 16)
-    series = [Series(DECODERS[a], lambda T, a=a: make_decode_step(size, T, a, max_T, device, steps),
+    names = decoder_series()
+    series = [Series(names[a], lambda T, a=a: make_decode_step(size, T, a, max_T, device, steps),
                      measure_memory=False)
-              for a in DECODERS if a in decoders]
+              for a in names if a in decoders]
     return sweep_side_by_side(series, Ts, caps, device=device, on_point=on_point)
 
 
@@ -71,7 +79,7 @@ def decode_lines(rows: list[dict], size: str) -> list[str]:
     from .cost import cache_bytes
 
     lines = []
-    for name in DECODERS.values():
+    for name in decoder_series().values():
         ok = sorted((r["T"], r["time_s"], r.get("cpu_s")) for r in rows if r["series"] == name and r["status"] == "ok")
         if len(ok) >= 2:
             (T0, t0, c0), (T1, t1, c1) = ok[0], ok[-1]

@@ -499,3 +499,24 @@ def test_bench_all_says_which_size_generate_measures(monkeypatch, capsys):
     assert main(["bench", "all", "--sizes", "4L-128", "12L-128"]) == 0
     assert "generate the first (4L-128)" in capsys.readouterr().err
     assert ("generate", ("4L-128", "12L-128")) in seen
+
+
+def test_generate_decodes_with_any_attention(monkeypatch, capsys):
+    """--decoders takes any attention a GPT decodes with, or all; each gets a series of its own."""
+    from lintrans.bench import cli as bench_cli
+    from lintrans.bench.generate import decoder_series, run_generate
+    from lintrans.bench.measure import Caps
+    from lintrans.nn import available_attention
+
+    names = decoder_series()
+    assert set(names) == set(available_attention()) - {"none"} and len(set(names.values())) == len(names)
+    seen = []
+    monkeypatch.setattr(bench_cli, "run_benchmark", lambda which, prof, **k: seen.append(prof.decoders))
+    assert main(["bench", "generate", "--decoders", "all"]) == 0
+    assert set(seen[0]) == set(names)
+    assert main(["bench", "generate", "--decoders", "bogus"]) == 2
+    assert "each --decoders" in capsys.readouterr().err
+    caps = Caps(time_s=10.0, repeats=2, budget_s=1e9, retimes=0)
+    points = run_generate([8], caps, size="4L-128", decoders=("aft-conv", "sliding-window"))
+    assert {p.series for p in points} == {"aft-conv cache", "sliding-window cache"}
+    assert all(p.status == "ok" for p in points)
