@@ -114,14 +114,16 @@ class _AFT(QKVAttention):
             cache = KVCache(cache.k, cache.v)
         outs = []
         for t in range(x.shape[1]):  # decoding: one token at a time against the cache
-            o, cache = self._step(q[:, t], k[:, t], v[:, t], cache)
+            # a windowed state's ring is written in place once it is this call's own, or the caller hands
+            # the cache on (use_cache): as KVCache, a cache serves one continuation
+            o, cache = self._step(q[:, t], k[:, t], v[:, t], cache, inplace=use_cache or t > 0)
             outs.append(o)
         return self.out(torch.stack(outs, dim=1)), (cache if use_cache else None)
 
     def _new_cache(self, k, v):
         return KVCache(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())  # [B,H,T,D]
 
-    def _step(self, q, k, v, cache: KVCache):
+    def _step(self, q, k, v, cache: KVCache, inplace: bool):  # appends are in place already (see forward)
         cache.append(k[:, :, None], v[:, :, None])
         kw = dict(variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
         return aft_last_row(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), **kw), cache
@@ -133,8 +135,9 @@ class _WindowedAFT(_AFT):
     def _new_cache(self, k, v):
         return aft_window_state(k, v, variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
 
-    def _step(self, q, k, v, cache):
-        return aft_window_step(q, k, v, cache, variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window)
+    def _step(self, q, k, v, cache, inplace: bool):
+        return aft_window_step(q, k, v, cache, variant=self.VARIANT, pos_bias=self.pos_bias, window=self.window,
+                               inplace=inplace)
 
 
 @register_attention("aft-full")
@@ -186,5 +189,5 @@ class AFTSimple(_AFT):
     def _new_cache(self, k, v):
         return aft_simple_state(k, v)
 
-    def _step(self, q, k, v, cache):
+    def _step(self, q, k, v, cache, inplace: bool):  # nothing to write in place: new sums each step
         return aft_simple_step(q, k, v, cache)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .native import aft as native_aft
 from .scan import decayed_scan
-from .validation import check_bool, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
+from .validation import can_write_in_place, check_bool, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
 
 VARIANTS = ("full", "simple", "local", "conv")
 # state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])
@@ -189,8 +189,9 @@ def _aft_causal_chunked(k, v, logw):
 
 
 def _finite(ref):
-    """A reference to subtract from logits, 0 where it is -inf (only -inf keys: any finite one does)."""
-    return torch.where(torch.isfinite(ref), ref, 0.0)
+    """A reference to subtract from logits, 0 where it is -inf (only -inf keys: any finite one does).
+    nan_to_num, not where(isfinite(ref), ref, 0): the same values and gradient, one kernel instead of two."""
+    return torch.nan_to_num(ref, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _wide(x):
@@ -546,11 +547,22 @@ def aft_window_state(k: torch.Tensor, v: torch.Tensor, *, variant: str, pos_bias
 
 
 def aft_window_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: AFTWindowState, *, variant: str, pos_bias, window=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: AFTWindowState,
+    *,
+    variant: str,
+    pos_bias,
+    window=None,
+    inplace: bool = False,
 ) -> Tuple[torch.Tensor, AFTWindowState]:
     """One token of causal AFT-local/conv: q, k, v [B, H, D] -> (o [B, H, D], state), constant memory.
 
     The key leaving the window joins the unbiased sum; the window's keys get their bias.
+    inplace: write the new key and value into ``state``'s ring instead of a copy of it, for a decoding
+    loop that owns its state (the state passed in is then spent: it shares the returned one's ring).
+    Ignored where autograd records the ring or this step's inputs (the sliding window's rule).
     """
     B, _, H, D, Dv = check_qkv(q, k, v, layout="[B, H, D]")
     _check_one_d(D, Dv)
@@ -559,32 +571,43 @@ def aft_window_step(
         got = f"a ring {list(state.ring_k.shape)}" if isinstance(state, AFTWindowState) else type(state).__name__
         raise ValueError(f"state must be an AFTWindowState with a ring of shape {[B, H, W, D]} (from aft_window_state), "
                          f"got {got}")
+    check_bool("inplace", inplace)
     p = state.pos
     _check_variant_args(variant, pos_bias, None if variant == "conv" else window, p + 1, H)
     num, den, m = state.num, state.den, state.m
+    ring_k, ring_v = state.ring_k, state.ring_v
+    inputs = (q, k, v, pos_bias, num, den, m)
+    if not (inplace and can_write_in_place(ring_k, ring_v, *inputs)):  # else copies: the caller keeps its ring
+        ring_k, ring_v = ring_k.clone(), ring_v.clone()
+    records = torch.is_grad_enabled() and any(x.requires_grad for x in (ring_k, ring_v, *inputs))
     slot = p % W
-    ring_k, ring_v = state.ring_k.clone(), state.ring_v.clone()
     if p >= W:  # position p - W leaves the window: fold it into the unbiased sums
-        k_old, v_old = ring_k[:, :, slot].clone(), ring_v[:, :, slot].clone()  # the slot is overwritten below
+        k_old, v_old = ring_k[:, :, slot], ring_v[:, :, slot]
+        if records:  # autograd saves them, and the slot is overwritten below
+            k_old, v_old = k_old.clone(), v_old.clone()
         m_new = torch.maximum(m, k_old)
         decay, e = torch.exp(m - m_new), torch.exp(k_old - m_new)
         num, den, m = num * decay + e * v_old, den * decay + e, m_new
     ring_k[:, :, slot] = k.to(ring_k.dtype)
     ring_v[:, :, slot] = v.to(ring_v.dtype)
+    # the window's keys in slot order (slot = position % W): views of the ring, not a gather; the
+    # small bias is reordered to match instead
     n = min(p + 1, W)
-    j = p - torch.arange(n, device=q.device)  # window positions, newest first; offset i = p - j
-    bias = pos_bias.to(ring_k.dtype)
+    kw, vw = (ring_k, ring_v) if n == W else (ring_k[:, :, :n], ring_v[:, :, :n])  # [B,H,n,D]
+    if records and not vw.requires_grad:  # saved for the bias's (or state's) gradient, where a later step
+        vw = vw.clone()  # (under no_grad, say) could write the ring in place
     if variant == "conv":
-        w = bias[:, :n]  # [H, n]
+        w = pos_bias[:, :n].flip(-1)  # [H, n]: taps n-1..0, the window's keys oldest first
     else:
-        w = (bias if bias.dim() == 3 else bias[None])[:, p, j]  # [Hw, n]
-    kw = ring_k[:, :, j % W]  # [B,H,n,D]
+        w = (pos_bias if pos_bias.dim() == 3 else pos_bias[None])[:, p, p + 1 - n : p + 1]  # [Hw, n] oldest first
+    # the i-th oldest key (position p + 1 - n + i) sits in slot (p + 1 + i) % n
+    w = w.to(ring_k.dtype).roll(p + 1, -1)
     r = _finite(torch.maximum(kw.amax(2), m))  # near the row's terms: k - r keeps w's digits in k + w
     logits = (kw - r[:, :, None]) + w[None, :, :, None]  # [B,H,n,D]
     R = torch.maximum(logits.amax(2), m - r)
     e = torch.exp(logits - R[:, :, None])
     scale = torch.exp(m - r - R)  # 0 while nothing has left the window
-    num_o = num * scale + (e * ring_v[:, :, j % W]).sum(2)
+    num_o = num * scale + (e * vw).sum(2)
     den_o = den * scale + e.sum(2)
     o = torch.sigmoid(q.to(num.dtype)) * num_o / den_o
     return o.to(q.dtype), AFTWindowState(num, den, m, ring_k, ring_v, p + 1)
@@ -607,12 +630,16 @@ def aft_last_row(
         raise TypeError(f"q must have k and v's dtype and device ({k.dtype}, {k.device}), got {q.dtype}, {q.device}")
     _check_variant_args(variant, pos_bias, window, L, H)
     dtype = compute_dtype(q.dtype)
-    logits = k.to(dtype)  # [B,L,H,D]
-    logits = logits - _finite(logits.detach().amax(1, keepdim=True))  # cancels in the softmax; keeps w's digits
-    if variant != "simple":
+    # [B,H,L,D]: a decoding cache's own layout (the layer passes it transposed), L contiguous to reduce over
+    kh, vh = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
+    logits = kh - _finite(kh.detach().amax(2, keepdim=True))  # cancels in the softmax; keeps w's digits
+    if variant == "full":  # the query's row of the pairwise bias, a view
+        w = pos_bias[..., L - 1, :L].to(dtype)  # [L] or [H, L]
+        logits = logits + w[..., None]
+    elif variant != "simple":
         w = position_bias(variant, pos_bias.to(dtype), window, L, True, rows=slice(L - 1, L))  # [Hw,1,L]
-        logits = logits + w[:, 0].T[None, :, :, None]
-    mean = (torch.softmax(logits, dim=1) * v.to(dtype)).sum(1)  # [B,H,D]
+        logits = logits + w[:, 0, :, None]
+    mean = (torch.softmax(logits, dim=2) * vh).sum(2)  # [B,H,D]
     return (torch.sigmoid(q.to(dtype)) * mean).to(q.dtype)
 
 

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from .linear.chunked import LOG2E, without_autocast
 from .native import sliding_window as native_sw
-from .validation import check_bool, check_number, check_positive_int, check_qkv, compute_dtype
+from .validation import can_write_in_place, check_bool, check_number, check_positive_int, check_qkv, compute_dtype
 
 
 class SlidingWindowCache(NamedTuple):
@@ -433,7 +433,7 @@ def sliding_window_step(
     p = cache.pos
     qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
     ring_k, ring_v = cache.ring_k, cache.ring_v
-    if not (inplace and _writable(ring_k, ring_v, q, k, v)):  # else copies: the caller keeps its rings
+    if not (inplace and can_write_in_place(ring_k, ring_v, q, k, v)):  # else copies: the caller keeps its rings
         ring_k, ring_v = ring_k.clone(), ring_v.clone()
     ring_k[:, :, p % R] = kd
     ring_v[:, :, p % R] = vd
@@ -458,21 +458,6 @@ def sliding_window_step(
     gk, gv = prefix_k[:, :, sel], prefix_v[:, :, sel]  # [B,H,G,D]
     w = torch.cat([s, qd @ gk.transpose(-1, -2)], dim=-1).softmax(-1)  # [B,H,1,R+G]
     return (w[..., :R] @ ring_v + w[..., R:] @ gv)[:, :, 0].to(q.dtype), new_cache
-
-
-def _writable(ring_k, ring_v, *inputs) -> bool:
-    """Whether a step may write into these rings: not where autograd saved them or will (a ring that
-    requires grad was saved by earlier steps, whatever the grad mode now; inputs that require grad
-    make this step save them), not an inference tensor outside inference mode, not a broadcast view
-    (an expanded prompt cache: one memory location behind several rows)."""
-    rings = (ring_k, ring_v)
-    if any(r.requires_grad for r in rings):
-        return False
-    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-        return False
-    if not torch.is_inference_mode_enabled() and any(r.is_inference() for r in rings):
-        return False
-    return all(r.is_contiguous() for r in rings)
 
 
 def _global_list(global_tokens) -> list:

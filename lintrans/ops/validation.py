@@ -33,8 +33,8 @@ _GATES = _GatesFromLayer()
 class gates_from_layer:
     """Within it the ops do not read the values of the gates they are given (beta, log_decay), only
     their shapes: for a layer's decoding step, whose gates come from sigmoid and -softplus and are in
-    range by construction. Per token the read (an aminmax and host comparisons per gate) was about a
-    tenth of a small model's decoding step. Per thread; a class, not a generator: cheaper per token."""
+    range by construction; per token the read (an aminmax and host comparisons per gate) is a
+    noticeable part of a small model's step. Per thread; a class, not a generator: cheaper per token."""
 
     def __enter__(self):
         self.before, _GATES.on = _GATES.on, True
@@ -149,3 +149,19 @@ def check_qkv(q, k, v, *, layout: str = "[B, T, H, D]") -> tuple[int, int, int, 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def can_write_in_place(ring_k, ring_v, *inputs) -> bool:
+    """Whether a decoding step (sliding window, AFT-local/conv) may write into these rings: not where
+    autograd saved them or will (a ring that requires grad was saved by earlier steps, whatever the
+    grad mode now; inputs that require grad make this step save them), not an inference tensor
+    outside inference mode, not a broadcast view (an expanded prompt cache: one memory location
+    behind several rows)."""
+    rings = (ring_k, ring_v)
+    if any(r.requires_grad for r in rings):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return False
+    if not torch.is_inference_mode_enabled() and any(r.is_inference() for r in rings):
+        return False
+    return all(r.is_contiguous() for r in rings)
