@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lintrans.ops.bigbird import bigbird_attention, bigbird_mask
+from lintrans.ops.bigbird import bigbird_attention, bigbird_blocked_row, bigbird_mask
 
 from .attention import KVCache, QKVAttention, check_options, options_checked_by_op
 from .registry import register_attention
@@ -54,11 +54,14 @@ class BigBirdAttention(QKVAttention):
             keys, values = cache.k, cache.v
         else:
             keys, values = torch.cat([cache.k, kh], dim=2), torch.cat([cache.v, vh], dim=2)
-        mask = bigbird_mask(past + T, start=past, causal=True, **self.pattern).to(x.device)  # [T,past+T]
+        if T == 1:  # a decoding step: its block's row, built once instead of the whole pattern per token
+            blocked = bigbird_blocked_row(past + 1, device=x.device, **self.pattern)  # [past+1]
+        else:
+            blocked = ~bigbird_mask(past + T, start=past, causal=True, **self.pattern).to(x.device)  # [T,past+T]
         scale = 1.0 / math.sqrt(self.head_dim) if self.opts["scale"] is None else float(self.opts["scale"])
         acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least, float64 for float64 models
         s = (q.transpose(1, 2) @ keys.transpose(-1, -2)).to(acc) * scale  # [B,H,T,L]
-        o = s.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype) @ values  # [B,H,T,D]
+        o = s.masked_fill(blocked, float("-inf")).softmax(-1).to(values.dtype) @ values  # [B,H,T,D]
         return self.out(o.transpose(1, 2)), (cache if use_cache else None)
 
     # the cost model: per query block, its window, global and random blocks

@@ -6,9 +6,9 @@ grouped-query heads and no GPT-2 ``c_attn`` to load). Options: ``n_buckets`` (32
 same in every layer), ``scale``. Causal, with the strictly causal ``lookback="window"``: a token
 attends to same-bucket tokens among the ``chunk_size`` before it in each round's sorted order,
 which depends on earlier tokens only (the paper's chunks would let later tokens move the chunk
-boundaries). Decoding keeps every shared key, value and bucket (a growing cache, like softmax's KV
-cache) and computes each new row densely under ``lsh_mask``, at O(T) per token: equal to the
-forward pass.
+boundaries). Decoding keeps every unit key (normalised once, in the compute dtype), value and
+bucket (a growing cache, like softmax's KV cache) and computes each new row densely under
+``lsh_mask``, at O(T) per token: equal to the forward pass.
 """
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ import torch
 import torch.nn as nn
 
 from lintrans.checks import check_number
-from lintrans.ops.lsh import check_lsh_options, lsh_attention, lsh_buckets, lsh_mask, shared_qk_attention
+from lintrans.ops.lsh import check_lsh_options, lsh_attention, lsh_buckets, lsh_mask, shared_qk_rows, unit_keys
 
 from .attention import KVCache, QKVAttention, check_options, options_checked_by_op
 from .registry import register_attention
 
 
 class LSHCache(KVCache):
-    """Shared keys and values [B, H, L, D] plus every token's buckets [B, H, L, n_hashes]."""
+    """Unit keys and values [B, H, L, D] plus every token's buckets [B, H, L, n_hashes].
+
+    The keys are ``unit_keys`` of the shared projection (in the compute dtype), not the projection:
+    decoding uses them only normalised, so each is normalised once instead of every key per token."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor):
         super().__init__(k, v)
@@ -47,8 +50,9 @@ class LSHCache(KVCache):
     def buckets(self) -> torch.Tensor:
         return self._b[:, :, : self.length]
 
-    def nbytes(self) -> int:
-        return super().nbytes() + self.buckets.numel() * self._b.element_size()
+    def nbytes(self) -> int:  # the unit keys may be wider than the values (float32 keys of a bfloat16 model)
+        return (self.k.numel() * self._k.element_size() + self.v.numel() * self._v.element_size()
+                + self.buckets.numel() * self._b.element_size())
 
 
 @dataclass
@@ -90,13 +94,13 @@ class ReformerAttention(QKVAttention):
                                        output_buckets=use_cache, **self.lsh)
             new = None
             if use_cache:
-                new = LSHCache(qk.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+                new = LSHCache(unit_keys(qk.transpose(1, 2)).contiguous(), v.transpose(1, 2).contiguous(),
                                buckets.transpose(2, 3).contiguous())
             return self.out(o), new
         past = cache.length
         b = lsh_buckets(qk, n_buckets=self.lsh["n_buckets"], n_hashes=self.lsh["n_hashes"],
                         seed=self.lsh["seed"]).transpose(2, 3)  # [B,H,T,R]
-        kh, vh = qk.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D]
+        kh, vh = unit_keys(qk.transpose(1, 2)), v.transpose(1, 2)  # [B,H,T,D]
         if use_cache:
             cache.append(kh, vh, b)
             keys, values, buckets = cache.k, cache.v, cache.buckets
@@ -105,9 +109,9 @@ class ReformerAttention(QKVAttention):
             buckets = torch.cat([cache.buckets, b], dim=2)
         mask = lsh_mask(buckets.transpose(2, 3), chunk_size=self.lsh["chunk_size"], causal=True, lookback="window",
                         start=past)  # [B,H,T,past+T]
-        o = shared_qk_attention(keys.transpose(1, 2), values.transpose(1, 2), causal=True, scale=self.scale,
-                                mask=mask, start=past)  # [B,T,H,D]
-        return self.out(o), (cache if use_cache else None)
+        q = qk.transpose(1, 2).to(keys.dtype)
+        o = shared_qk_rows(q, keys, values.to(keys.dtype), scale=self.scale, mask=mask, causal=False)  # mask: causal
+        return self.out(o.transpose(1, 2).to(qk.dtype)), (cache if use_cache else None)
 
     # the cost model: one shared projection; per round, each chunk against itself and the one before
     @classmethod
@@ -125,5 +129,6 @@ class ReformerAttention(QKVAttention):
 
     @classmethod
     def cache_bytes(cls, shape, T: int, B: int = 1, dtype_bytes: int = 4) -> int:
-        kv = 2 * B * shape.n_head * shape.head_dim * T * dtype_bytes  # every shared key and value
+        unit_key_bytes = max(dtype_bytes, 4)  # the compute dtype: float32, float64 for float64 models
+        kv = B * shape.n_head * shape.head_dim * T * (unit_key_bytes + dtype_bytes)  # every unit key and value
         return kv + B * shape.n_head * T * cls.option(shape, "n_hashes") * 8  # and their buckets (int64)

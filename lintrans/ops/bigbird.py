@@ -34,27 +34,31 @@ def _check(block_size, window_blocks, global_blocks, random_blocks, seed, causal
     check_bool("causal", causal)
 
 
+def _block_keys(b: int, n_blocks: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int,
+                causal: bool) -> list[int]:
+    """The sorted key blocks of query block b (a row of ``block_pattern``)."""
+    if causal:
+        window = set(range(max(0, b - window_blocks + 1), b + 1))
+    else:
+        half = window_blocks // 2
+        window = set(range(max(0, b - half), min(n_blocks, b + half + 1)))
+    glob = {g for g in range(min(global_blocks, n_blocks)) if not causal or g <= b}
+    chosen = window | glob
+    candidates = [c for c in range(b if causal else n_blocks) if c not in chosen]
+    if random_blocks and candidates:
+        # drawn from the seed and this block's index only: the pattern of block b never depends on T
+        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        order = torch.randperm(len(candidates), generator=g)[:random_blocks].tolist()
+        chosen |= {candidates[i] for i in order}
+    return sorted(chosen)
+
+
 def block_pattern(n_blocks: int, *, window_blocks: int = 3, global_blocks: int = 1, random_blocks: int = 2,
                   seed: int = 0, causal: bool = True) -> list[list[int]]:
     """For each query block, the sorted key blocks it attends to (global rows excluded: a global
     query block attends to every allowed block)."""
-    out = []
-    for b in range(n_blocks):
-        if causal:
-            window = set(range(max(0, b - window_blocks + 1), b + 1))
-        else:
-            half = window_blocks // 2
-            window = set(range(max(0, b - half), min(n_blocks, b + half + 1)))
-        glob = {g for g in range(min(global_blocks, n_blocks)) if not causal or g <= b}
-        chosen = window | glob
-        candidates = [c for c in range(b if causal else n_blocks) if c not in chosen]
-        if random_blocks and candidates:
-            # drawn from the seed and this block's index only: the pattern of block b never depends on T
-            g = torch.Generator().manual_seed(seed * 1_000_003 + b)
-            order = torch.randperm(len(candidates), generator=g)[:random_blocks].tolist()
-            chosen |= {candidates[i] for i in order}
-        out.append(sorted(chosen))
-    return out
+    return [_block_keys(b, n_blocks, window_blocks, global_blocks, random_blocks, seed, causal)
+            for b in range(n_blocks)]
 
 
 def bigbird_mask(T: int, *, block_size: int = 64, window_blocks: int = 3, global_blocks: int = 1,
@@ -77,6 +81,31 @@ def bigbird_mask(T: int, *, block_size: int = 64, window_blocks: int = 3, global
     if causal:
         mask &= torch.arange(T)[None, :] <= rows[:, None]
     return mask
+
+
+def bigbird_blocked_row(T: int, *, block_size: int = 64, window_blocks: int = 3, global_blocks: int = 1,
+                        random_blocks: int = 2, seed: int = 0, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Causal decoding's row: [T], True where query T-1 may NOT attend to key j (``~bigbird_mask(T,
+    start=T-1, causal=True)[0]``, ready for masked_fill). Sliced from its block's row, built once:
+    decoding asks for it every token and layer, and the whole pattern costs a randperm per block."""
+    check_number("T", T, integer=True, low=1)
+    block_size = min(block_size, T)  # as bigbird_mask: one block either way
+    # a causal row depends on its block alone, not on T
+    return _blocked_row(device, (T - 1) // block_size, block_size, window_blocks, global_blocks, random_blocks,
+                        seed)[:T]
+
+
+@functools.lru_cache(maxsize=256)
+def _blocked_row(device: Optional[torch.device], b: int, block_size: int, window_blocks: int, global_blocks: int,
+                 random_blocks: int, seed: int) -> torch.Tensor:
+    """Causal: True where query block b may not attend, over keys 0..(b + 1) * block_size - 1, on
+    ``device``; the options are checked here, once per block."""
+    _check(block_size, window_blocks, global_blocks, random_blocks, seed, True)
+    keys = _block_keys(b, b + 1, window_blocks, global_blocks, random_blocks, seed, True)  # global b: all of 0..b
+    with torch.inference_mode(False):  # cached: an inference tensor could not be saved for backward later
+        blocked = torch.ones(b + 1, dtype=torch.bool)
+        blocked[keys] = False
+        return blocked.repeat_interleave(block_size).to(device)
 
 
 @functools.lru_cache(maxsize=64)

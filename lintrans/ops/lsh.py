@@ -132,10 +132,18 @@ def lsh_mask(buckets: torch.Tensor, *, chunk_size: int, causal: bool = True, loo
     T = buckets.shape[-1]
     check_number("start", start, integer=True, low=0, high=T - 1)
     check_lsh_options(2, 1, chunk_size, 0, causal, lookback)
-    _, rank = _ranks(buckets)  # [B,H,R,T]
     same = buckets[..., start:, None] == buckets[..., None, :]  # [B,H,R,T-start,T]
-    m = (same & _near(rank[..., start:, None], rank[..., None, :], chunk_size, lookback)).any(dim=2)
-    if causal:
+    if causal and lookback == "window":
+        # Sorted by (bucket, position), an earlier bucket-mate j lies (the number of mates at
+        # positions j+1..i) places before i: counted from a cumulative sum, with no sort of every
+        # position per round (decoding asks for one row per token and layer)
+        mates = same.cumsum(-1, dtype=torch.int32)  # [B,H,R,T-start,T]: i's mates at positions <= j
+        between = mates.diagonal(offset=start, dim1=-2, dim2=-1)[..., None] - mates  # mates in j+1..i
+        m = (same & (between <= chunk_size)).any(dim=2)
+    else:
+        _, rank = _ranks(buckets)  # [B,H,R,T]
+        m = (same & _near(rank[..., start:, None], rank[..., None, :], chunk_size, lookback)).any(dim=2)
+    if causal and start < T - 1:  # (the last row has no later keys)
         pos = torch.arange(T, device=buckets.device)
         m &= pos[None, :] <= pos[start:, None]
     return m
@@ -242,6 +250,33 @@ def lsh_attention(
     return o.transpose(1, 2).to(qk.dtype), (buckets if output_buckets else None)
 
 
+def unit_keys(x: torch.Tensor) -> torch.Tensor:
+    """The keys of shared-QK attention, qk_j / ||qk_j||, in the compute dtype (float32, float64 for
+    float64 inputs): normalised over the last dimension."""
+    return F.normalize(x.to(compute_dtype(x.dtype)), dim=-1)
+
+
+def shared_qk_rows(q: torch.Tensor, keys: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   mask: Optional[torch.Tensor] = None, causal: bool = True) -> torch.Tensor:
+    """The last rows of dense shared-QK attention from keys already normalised: q [B, H, t, D]
+    (the shared projections of tokens L-t..L-1), keys [B, H, L, D] (``unit_keys`` of all L
+    tokens), v [B, H, L, Dv], in one dtype; mask [B, H, t, L] or None -> [B, H, t, Dv]. The core
+    of ``shared_qk_attention``; a decoding cache keeps the unit keys, so that a step normalises
+    only its own."""
+    t, L = q.shape[2], keys.shape[2]
+    s = (q @ keys.transpose(-1, -2)) * scale  # [B,H,t,L]
+    # s_ii written in place (a decoding step's cost is mostly such small ops): s is a new tensor
+    # whose producer saved nothing, and this dense path is not one torch.compile traces in training
+    s[..., L - t :].diagonal(dim1=-2, dim2=-1).fill_(SELF_SCORE)
+    allowed = mask
+    if causal:
+        rows, cols = torch.arange(L - t, L, device=q.device)[:, None], torch.arange(L, device=q.device)[None, :]
+        allowed = cols <= rows if mask is None else mask & (cols <= rows)
+    if allowed is not None:
+        s = torch.where(allowed, s, float("-inf"))
+    return s.softmax(-1) @ v
+
+
 def shared_qk_attention(qk: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: Optional[float] = None,
                         mask: Optional[torch.Tensor] = None, start: int = 0) -> torch.Tensor:
     """Dense shared-QK softmax attention with the self rule (O(T^2)): rows start..T-1 of
@@ -249,18 +284,12 @@ def shared_qk_attention(qk: torch.Tensor, v: torch.Tensor, *, causal: bool = Tru
     [B, H, T - start, T] (and j <= i when causal). Computed in float32 (float64 for float64
     inputs), returned in qk's dtype: [B, T - start, H, Dv]. What LSH attention approximates, and
     (with ``lsh_mask``) what it computes."""
-    _, T, _, D, _ = _check_inputs(qk, v)
+    D = _check_inputs(qk, v)[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = compute_dtype(qk.dtype)
-    q = qk[:, start:].transpose(1, 2).to(dtype)  # [B,H,T-start,D]
-    keys = F.normalize(qk.transpose(1, 2).to(dtype), dim=-1)  # [B,H,T,D]
-    s = (q @ keys.transpose(-1, -2)) * scale  # [B,H,T-start,T]
-    rows, cols = torch.arange(start, T, device=qk.device)[:, None], torch.arange(T, device=qk.device)[None, :]
-    s = s.masked_fill(rows == cols, SELF_SCORE)
-    allowed = torch.ones_like(s, dtype=torch.bool) if mask is None else mask
-    if causal:
-        allowed = allowed & (cols <= rows)
-    o = s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.transpose(1, 2).to(dtype)  # [B,H,T-start,Dv]
+    keys = unit_keys(qk.transpose(1, 2))  # [B,H,T,D]
+    o = shared_qk_rows(qk[:, start:].transpose(1, 2).to(dtype), keys, v.transpose(1, 2).to(dtype), scale=scale,
+                       mask=mask, causal=causal)  # [B,H,T-start,Dv]
     return o.transpose(1, 2).to(qk.dtype)
 
 
