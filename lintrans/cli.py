@@ -17,7 +17,7 @@ from . import __version__
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lintrans.bench.demo", "the main job: quick benchmark profile with a headline"),
-    "bench": ("lintrans.bench.cli", "benchmarks: attention ops, training step, generation (JSON + PNG)"),
+    "bench": ("lintrans.bench.cli", "benchmarks: attention ops, training step, generation (tables; JSON + PNG with --out)"),
     "tune": ("lintrans.bench.tune", "pick the fastest chunk size by measurement and cache it"),
     "cost": ("lintrans.bench.cost_cli", "parameters, FLOPs, state vs KV-cache bytes, arithmetic intensity, MFU"),
     "train": ("lintrans.train.cli", "train a GPT (any attention in lintrans.nn.available_attention()) from text or token files"),

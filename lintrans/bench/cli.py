@@ -68,8 +68,10 @@ def profiles() -> dict[str, Profile]:
 class BenchOptions:
     """The command line of ``lintrans bench``: a profile and what to change in it."""
 
-    profile: str = field(default="quick", metadata={"choices": ("quick", "full")})
-    out: Optional[str] = field(default=None, metadata={"help": "write JSON/CSV/MD/PNG into this folder"})
+    profile: str = field(default="quick", metadata={"choices": ("quick", "full"), "help": "quick: contexts up "
+                                                    "to 8k (minutes); full: up to 16k-64k (hours)"})
+    out: Optional[str] = field(default=None, metadata={"help": "write JSON/CSV/MD/PNG into this folder (default: "
+                                                                "print the tables only)"})
     max_T: Optional[int] = field(default=None, metadata={
         "help": "longest context to try (overrides the profile; 256 is the shortest measured)", "low": 256})
     T: Optional[list[int]] = field(default=None, metadata={

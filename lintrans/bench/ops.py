@@ -155,6 +155,9 @@ def select_series(series: dict[str, Callable], only: list[str]) -> dict[str, Cal
             return n == name
         return n in COMPANION_OF.get(name, name)
 
+    blank = [n for n in only if not n.strip()]
+    if blank:  # "" is in every name: it would pick every series, the slow peers too
+        raise ValueError(f"an empty name picks nothing; available: {list(series)}")
     unknown = [n for n in only if not any(picks(n, name) for name in series)]
     if unknown:
         raise ValueError(f"unknown op series {unknown}; available: {list(series)}")

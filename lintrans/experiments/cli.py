@@ -27,7 +27,7 @@ INCOMPLETE = 3  # exit status when --max-runs stopped a study before its end
 class RunOptions:
     """How a study runs (where, how many runs at a time, what it prints); what it measures is its settings."""
 
-    quick: bool = field(default=False, metadata={"help": "tiny settings (minutes) that check the machinery; "
+    quick: bool = field(default=False, metadata={"help": "tiny settings (about a minute) that check the machinery; "
                                                          "not a result"})
     setting: Optional[str] = field(default=None, metadata={
         "help": "a named preset of the study's settings (recall: hard), applied before --set and flags; "
@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
                 break
         if opts.plot_only:
             given = [f"--{k.replace('_', '-')}" for k, _ in given_flags(args, "setting:")] + (["--set"] if args.set else [])
+            given += [flag for flag, on in (("--estimate", opts.estimate), ("--print-settings", opts.print_settings),
+                                            ("--max-runs", opts.max_runs is not None)) if on]
             if given:  # they would change nothing: the record says what ran (--setting, --quick pick its folder)
                 raise ValueError(f"--plot-only redraws the record as it is; it takes no settings, got {given}")
             path = out / f"{args.study}.json"

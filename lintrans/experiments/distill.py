@@ -332,8 +332,10 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
 
 def recovered(l_base: float, l_teacher: float, loss):
     """Percentage of the teacher's gain over the unigram baseline that a loss keeps (None where the loss
-    or the teacher diverged)."""
+    or the teacher diverged, or the teacher gained nothing: a negative or zero gain has no share)."""
     if loss is None or l_teacher is None or not (math.isfinite(loss) and math.isfinite(l_teacher)):
+        return None
+    if not l_teacher < l_base:
         return None
     return 100.0 * (l_base - loss) / (l_base - l_teacher)
 
@@ -375,6 +377,9 @@ def table(record: dict) -> str:
         lines.append(f"{m:<12}" + "".join(f.format(c["mean"]) if c["mean"] is not None else f"{'-':>9}"
                                           for f, c in zip(fmt, cells)))
     lines.append(f"(mean over {record['settings']['seeds']} seeds; fine-tune lr per map: {record['sweep']['chosen']})")
+    if not summ["teacher_val_loss"]["mean"] < summ["unigram_val_loss"]:
+        lines.append("(the teacher is no better than the unigram baseline, so no share of its gain is defined: "
+                     "'-'; a --quick run trains it too briefly)")
     return "\n".join(lines)
 
 

@@ -88,8 +88,8 @@ def validate(s: dict) -> None:
     study.check_lrs(s["lrs"])
     if not s["start_dim"] <= s["dim"] or not s["start_points"] <= s["points"] < s["eval_points"]:
         raise ValueError(f"need start_dim <= dim and start_points <= points < eval_points (the extrapolation is "
-                         f"measured past the trained points), got {s['start_dim']}, "
-                         f"{s['dim']}, {s['start_points']}, {s['points']}, {s['eval_points']}")
+                         f"measured past the trained points), got start_dim {s['start_dim']}, dim {s['dim']}, "
+                         f"start_points {s['start_points']}, points {s['points']}, eval_points {s['eval_points']}")
     check_specs(s["mechanisms"], linear_form="attention", **_fields(s))
 
 

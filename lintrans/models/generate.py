@@ -8,12 +8,13 @@ import torch
 from lintrans.checks import check_number
 
 
-def check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
-    check_number("max_new_tokens", max_new_tokens, integer=True, low=1)
-    check_number("temperature", temperature, low=0)  # 0 = greedy
-    check_number("top_k", top_k, integer=True, low=1, allow_none=True)
-    check_number("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
-    check_number("seed", seed, integer=True, allow_none=True, low=-(2**63), high=2**64 - 1)  # torch's generator's range
+def check_sampling(max_new_tokens, temperature, top_k, top_p, seed, label=lambda name: name) -> None:
+    """``label``: how an error names each argument (the command line's flags, say)."""
+    check_number(label("max_new_tokens"), max_new_tokens, integer=True, low=1)
+    check_number(label("temperature"), temperature, low=0)  # 0 = greedy
+    check_number(label("top_k"), top_k, integer=True, low=1, allow_none=True)
+    check_number(label("top_p"), top_p, low=0, high=1, low_open=True, allow_none=True)
+    check_number(label("seed"), seed, integer=True, allow_none=True, low=-(2**63), high=2**64 - 1)  # torch's generator's range
 
 
 def sample_next(

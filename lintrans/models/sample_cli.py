@@ -68,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # before anything is printed
         check_positive_int("--num-samples", args.num_samples)
-        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, label=flag)
         if args.seed is not None and args.num_samples > 1:  # sample n is seeded with seed + n
             check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                           args.seed + args.num_samples - 1)
+                           args.seed + args.num_samples - 1, label=flag)
     except (ValueError, TypeError) as e:
         print(f"lintrans sample: {e}", file=sys.stderr)
         return 2

@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
                 overrides.append(f"data.tokenizer={theirs}")
                 print(f"lintrans train: data.tokenizer {theirs}, the initial weights' own", file=sys.stderr)
         else:
-            print("lintrans train: no --config given, using the shipped 'tiny' config (4 layers, width 128, "
-                  "embedded corpus); --config gpt2-124m or a file of your own for more", file=sys.stderr)
+            print("lintrans train: no --config given, using the shipped 'tiny' config (a 4-layer, 128-wide GPT on the "
+                  "embedded corpus, with the command line's keys over it); --config gpt2-124m or a file of your own "
+                  "for more", file=sys.stderr)
     try:
         # the tiny config's [model] describes its own model: applied to initial weights it would swap a
         # linear checkpoint to its softmax; with init_from only the command line's model keys apply

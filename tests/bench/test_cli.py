@@ -207,6 +207,7 @@ def test_bad_cost_and_tune_arguments_give_one_line_errors(argv, message, capsys)
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "ops", "--ops", "nope"], "--ops: unknown op series ['nope']"),
+    (["bench", "ops", "--ops", ""], "--ops: an empty name picks nothing"),
     (["bench", "ops", "--max-T", "0"], "--max-T must be an int >= 256 or None, got 0"),
     (["bench", "ops", "--max-T", "-256"], "--max-T must be an int >= 256"),
     (["bench", "ops", "--max-T", "100"], "--max-T must be an int >= 256"),

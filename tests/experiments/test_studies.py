@@ -87,7 +87,10 @@ def check_distill(data):
     hedgehog = [r for r in data["runs"] if r["map"] == "hedgehog"]
     assert len(hedgehog[0]["distill_loss"]) == s["n_layer"] and len(hedgehog[0]["attention_kl"]) == s["n_layer"]
     row = data["summary"]["maps"]["elu"]
-    assert row["recovered_finetuned"]["n"] == s["seeds"] and row["val_loss_no_finetune"]["mean"] is not None
+    assert row["val_loss_no_finetune"]["mean"] is not None
+    # a share of the teacher's gain over the unigram exists only where it gained (a --quick teacher may not)
+    gained = data["summary"]["teacher_val_loss"]["max"] < data["summary"]["unigram_val_loss"]
+    assert row["recovered_finetuned"]["n"] == (s["seeds"] if gained else 0)
     teachers = len(s["teacher_lrs"]) + s["seeds"] - 1
     return teachers + len(s["maps"]) * (len(s["lrs"]) + s["seeds"] - 1)
 
@@ -213,6 +216,7 @@ def test_quick_does_not_default_to_the_record_folder():
     ("regression", ["--seeds", "0"], "seeds"),
     ("context", ["--plot-only"], "--plot-only"),
     ("context", ["--plot-only", "--steps", "9"], "--plot-only redraws the record as it is; it takes no settings"),
+    ("recall", ["--quick", "--plot-only", "--estimate"], "it takes no settings, got ['--estimate']"),
     ("regression", ["--setting", "hard"], "--setting: regression has no named settings (only context, recall"),
     ("distill", ["--set", "maps=[\"elu\",\"cosine\"]"], "maps"),
     ("distill", ["--set", "context=48"], "multiples of context"),

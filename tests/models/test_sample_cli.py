@@ -40,7 +40,7 @@ def test_sample_bad_input(byte_checkpoint, tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(path), "--tokenizer", "gpt2", "--prompt", "hi"]) == 2
     assert "tokenizer 'gpt2' has 50257 tokens" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(path), "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens must be an int >= 1" in capsys.readouterr().err
+    assert "--max-new-tokens must be an int >= 1" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(path), "--num-samples", "0"]) == 2
     assert "--num-samples must be an int >= 1, got 0" in capsys.readouterr().err
 
