@@ -46,6 +46,8 @@ def writable_folder(path, what: str) -> Path:
     """Make folder ``path`` (and its parents) and check that a file can be written in it, before the
     work whose results go there; a ValueError naming ``what`` (the option) otherwise."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file; it must be a folder (made if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path, prefix=".write-check-")

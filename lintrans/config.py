@@ -441,7 +441,7 @@ def read_file(path) -> dict:
     """A TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file as a dict; errors name the file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
+        raise FileNotFoundError(f"config file {path} {'is a folder, not a file' if path.is_dir() else 'does not exist'}")
     text = path.read_text()
     if path.suffix == ".toml":
         try:

@@ -96,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
         from lintrans.config import dump
 
         print(dump(cfg), end="")
+        if fine_tune:
+            from lintrans.models.hf import WEIGHT_PRESERVING
+
+            unused = sorted(f"model.{k}" for k in cfg.model if k not in WEIGHT_PRESERVING)
+            if unused:  # the run says so when it starts; the printed config should not suggest otherwise
+                print(f"lintrans train: with train.init_from the model's shape is the weights'; {unused} will not be "
+                      f"used (only {['model.' + k for k in WEIGHT_PRESERVING]} apply)", file=sys.stderr)
         return 0
     from .loop import train
 

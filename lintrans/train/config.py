@@ -186,8 +186,8 @@ def resolve_config_path(path) -> Path:
         return path
     if path.parent == Path(".") and (SHIPPED_CONFIGS / f"{path.stem}.toml").is_file() and path.suffix in ("", ".toml"):
         return SHIPPED_CONFIGS / f"{path.stem}.toml"
-    raise FileNotFoundError(f"config file {path} does not exist (shipped configs, usable by name: "
-                            f"{shipped_configs()})")
+    what = "is a folder, not a file" if path.is_dir() else "does not exist"
+    raise FileNotFoundError(f"config file {path} {what} (shipped configs, usable by name: {shipped_configs()})")
 
 
 def read_config_file(path) -> dict:

@@ -189,3 +189,15 @@ def test_context_parallel_refuses_what_it_cannot_split(attention, block, message
     with pytest.raises(ValueError, match=message):
         load_config(None, ["train.context_parallel=2", f"model.attention={attention}", f"model.block_size={block}"])
     assert load_config(None, ["train.context_parallel=2", "model.attention=retention"]).train.context_parallel == 2
+
+
+def test_print_config_with_init_from_names_the_model_keys_it_will_not_use(capsys):
+    """With train.init_from the model is the weights'; a printed config with model.n_layer must not
+    look as if it applied (the run says so only when it starts)."""
+    from lintrans.cli import main
+
+    assert main(["train", "--train.init_from", "some/weights", "--model.n_layer", "3", "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert "['model.n_layer'] will not be used" in err
+    assert main(["train", "--train.init_from", "some/weights", "--model.attention", "linear", "--print-config"]) == 0
+    assert "will not be used" not in capsys.readouterr().err
