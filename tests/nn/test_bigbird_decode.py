@@ -7,6 +7,8 @@ from lintrans.models import GPTConfig
 from lintrans.nn.bigbird import BigBirdAttention
 from lintrans.ops.bigbird import bigbird_blocked_row, bigbird_mask
 
+from decoding import assert_decoding_equals_forward, decode
+
 PATTERNS = [dict(block_size=1, window_blocks=1, global_blocks=0, random_blocks=1, seed=0),
             dict(block_size=2, window_blocks=3, global_blocks=1, random_blocks=1, seed=0),
             dict(block_size=3, window_blocks=2, global_blocks=2, random_blocks=3, seed=5),
@@ -41,15 +43,6 @@ def layer_of(**pattern):
     return BigBirdAttention(config).double()
 
 
-def decode(layer, x, prompt, step=1):
-    y, cache = layer(x[:, :prompt], use_cache=True)
-    ys = [y]
-    for t in range(prompt, x.shape[1], step):
-        y, cache = layer(x[:, t : t + step], cache=cache, use_cache=True)
-        ys.append(y)
-    return torch.cat(ys, 1), cache
-
-
 @pytest.mark.parametrize("prompt, step", [(1, 1), (4, 1), (5, 4)])
 def test_decoding_past_many_blocks_equals_the_forward_and_its_gradients(prompt, step):
     """Blocks of 3 over 31 tokens (a prompt inside the first block, at its end, past it), random and
@@ -57,13 +50,7 @@ def test_decoding_past_many_blocks_equals_the_forward_and_its_gradients(prompt, 
     the steps equals backward through the forward."""
     layer = layer_of(block_size=3, window_blocks=2, global_blocks=1, random_blocks=2, seed=4)
     x = (3 * torch.randn(2, 31, 16, dtype=torch.float64)).requires_grad_()
-    w = torch.randn(2, 31, 16, dtype=torch.float64)
-    full, _ = layer(x)
-    g_full, = torch.autograd.grad((full * w).sum(), x)
-    stepped, _ = decode(layer, x, prompt, step)
-    g_steps, = torch.autograd.grad((stepped * w).sum(), x)
-    torch.testing.assert_close(stepped, full, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(g_steps, g_full, atol=1e-10, rtol=1e-10)
+    assert_decoding_equals_forward(layer, x, prompt, step)
 
 
 def test_a_row_first_built_in_inference_mode_serves_a_backward_later():

@@ -7,6 +7,8 @@ import torch
 from lintrans.models import GPTConfig
 from lintrans.nn import available_attention, get_attention
 
+from decoding import assert_decoding_equals_forward, decode
+
 # small structure so that T = 12 crosses windows, blocks, buckets and chunks
 SMALL = {
     "sliding-window": {"window": 4},
@@ -32,29 +34,13 @@ def layer_of(name, dtype=torch.float64, device="cpu"):
         return get_attention(name)(config).to(dtype)
 
 
-def decode(layer, x, prefill):
-    """The layer's output for x: a prefill, then one token at a time through the cache."""
-    y, cache = layer(x[:, :prefill], use_cache=True)
-    ys = [y]
-    for t in range(prefill, x.shape[1]):
-        y, cache = layer(x[:, t : t + 1], cache=cache, use_cache=True)
-        ys.append(y)
-    return torch.cat(ys, 1), cache
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_gradients_flow_through_decoding(name):
     """Backward through prefill + decoding steps equals backward through one full forward (the KV
     caches' in-place appends and AFT's ring slot broke it)."""
     layer = layer_of(name)
     x = torch.randn(2, 12, 32, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, 12, 32, dtype=torch.float64)
-    full, _ = layer(x)
-    g_full, = torch.autograd.grad((full * w).sum(), x)
-    stepped, _ = decode(layer, x, prefill=5)
-    g_steps, = torch.autograd.grad((stepped * w).sum(), x)
-    torch.testing.assert_close(stepped, full, atol=1e-10, rtol=1e-9)
-    torch.testing.assert_close(g_steps, g_full, atol=1e-10, rtol=1e-9)
+    assert_decoding_equals_forward(layer, x, 5, rtol=1e-9)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -63,7 +49,7 @@ def test_use_cache_false_leaves_the_cache_as_it_was(name):
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     with torch.no_grad():
         full, _ = layer(x)
-        _, cache = decode(layer, x[:, :8], prefill=5)
+        _, cache = decode(layer, x[:, :8], 5)
         first, none = layer(x[:, 8:], cache=cache, use_cache=False)
         again, _ = layer(x[:, 8:], cache=cache, use_cache=False)  # aft-full had appended the token twice
     assert none is None

@@ -8,6 +8,8 @@ from lintrans.models import GPT, GPTConfig
 from lintrans.nn.reformer import ReformerAttention
 from lintrans.ops.lsh import lsh_buckets, lsh_mask, unit_keys
 
+from decoding import assert_decoding_equals_forward, decode
+
 
 def sorted_order_mask(buckets, chunk_size):
     """The definition, by sorting: per round, positions sorted by (bucket, position); query i may see
@@ -52,28 +54,13 @@ def layer_of(dtype=torch.float64, **opts):
     return ReformerAttention(config).to(dtype)
 
 
-def decode(layer, x, prompt, step=1):
-    y, cache = layer(x[:, :prompt], use_cache=True)
-    ys = [y]
-    for t in range(prompt, x.shape[1], step):
-        y, cache = layer(x[:, t : t + step], cache=cache, use_cache=True)
-        ys.append(y)
-    return torch.cat(ys, 1), cache
-
-
 @pytest.mark.parametrize("prompt, step", [(1, 1), (9, 1), (5, 4)])
 def test_decoding_equals_the_forward_and_its_gradients(prompt, step):
     """Far past the chunk size with two buckets (most mates out of reach); one token at a time and
     several at once; backward through the steps equals backward through the forward."""
     layer = layer_of()
     x = (3 * torch.randn(2, 30, 16, dtype=torch.float64)).requires_grad_()
-    w = torch.randn(2, 30, 16, dtype=torch.float64)
-    full, _ = layer(x)
-    g_full, = torch.autograd.grad((full * w).sum(), x)
-    stepped, _ = decode(layer, x, prompt, step)
-    g_steps, = torch.autograd.grad((stepped * w).sum(), x)
-    torch.testing.assert_close(stepped, full, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(g_steps, g_full, atol=1e-10, rtol=1e-10)
+    assert_decoding_equals_forward(layer, x, prompt, step)
     with torch.no_grad():
         qk, _ = layer.qkv(x)
         buckets = lsh_buckets(qk, n_buckets=2, n_hashes=3)
