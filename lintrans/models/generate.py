@@ -35,9 +35,12 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        # drop a token when the tokens before it already reach top_p (the first always stays). The mass
+        # before each token in float64, summed without it (float32's cumsum over 50k tokens drifted by 2e-5,
+        # which moved the nucleus's edge by a token)
+        probs = sorted_logits.double().softmax(-1)
+        before = torch.cat([probs.new_zeros(probs.shape[0], 1), probs[:, :-1].cumsum(-1)], dim=-1)
+        drop_sorted = before >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)

@@ -332,12 +332,20 @@ class GPT(nn.Module):
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
         vocab_limit: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each new token [B, 1] as it is produced (prefill once, then one step per token).
 
         ``vocab_limit``: sample only ids below it, e.g. the tokenizer's size when the embedding is
         padded past it (GPT-2's 50257 tokens in a 50304-row table, bytes' 257 in 320): a padding id
         has no text, and an undertrained model gives it real probability.
+
+        ``eos_token_id`` (as Hugging Face's): a row that produced it yields it again from then on, and
+        generation stops once every row has (so fewer than ``max_new_tokens`` may come).
+
+        ``seed``: one generator for the whole batch, so a row's draws depend on its place in the batch
+        (not on the other rows' prompts). Every prompt of a batch has the same length: there is no
+        padding or attention mask.
 
         With learned positions a model has no position past ``block_size - 1`` (nor has AFT-full/local's
         pairwise bias, or cosFormer past its ``max_len``: ``position_limit``); once the sequence would
@@ -352,23 +360,30 @@ class GPT(nn.Module):
 
         check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         check_number("vocab_limit", vocab_limit, integer=True, low=1, high=self.config.vocab_size, allow_none=True)
+        check_number("eos_token_id", eos_token_id, integer=True, low=0, high=self.config.vocab_size - 1,
+                     allow_none=True)
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             self._check_idx(idx, 0)  # its clear error, before idx's device and length are read below
         window = self.position_limit()
         generator = None
         if seed is not None:
             generator = torch.Generator(device=idx.device).manual_seed(seed)
-        was_training = self.training
+        modes = [(m, m.training) for m in self.modules()]  # each module's own: a user may have set some
         self.eval()
         try:
             if window is not None and idx.shape[1] > window:
                 idx = idx[:, -window:]  # a prompt longer than the model's positions: its last window
             logits, cache = self.forward_cached(idx, None, last_only=True)
             tail = idx  # the last `window` tokens, kept only while cropping can happen
+            done = None  # [B,1] rows that produced eos_token_id
             for i in range(max_new_tokens):
                 nxt = sample_next(logits[:, -1, :vocab_limit], temperature, top_k, top_p, generator)  # [B,1]
+                if eos_token_id is not None:
+                    if done is not None:
+                        nxt = nxt.masked_fill(done, eos_token_id)
+                    done = nxt == eos_token_id if done is None else done | (nxt == eos_token_id)
                 yield nxt
-                if i + 1 == max_new_tokens:
+                if i + 1 == max_new_tokens or (done is not None and bool(done.all())):
                     break
                 if window is not None and cache.length + 1 > window:
                     tail = torch.cat([tail, nxt], dim=1)[:, -window:]  # [B,window]
@@ -378,7 +393,8 @@ class GPT(nn.Module):
                         tail = torch.cat([tail, nxt], dim=1)
                     logits, cache = self.forward_cached(nxt, cache, check_ids=False)
         finally:
-            self.train(was_training)
+            for m, training in modes:
+                m.training = training
 
     @torch.no_grad()
     def generate(
@@ -390,10 +406,13 @@ class GPT(nn.Module):
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
         vocab_limit: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
     ) -> torch.Tensor:
-        """idx [B, T] -> [B, T + max_new_tokens]. Greedy when temperature is 0; ``vocab_limit`` as in
-        ``generate_stream``."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, seed, vocab_limit))
+        """idx [B, T] -> [B, T + max_new_tokens] (fewer new tokens where every row reached
+        ``eos_token_id``; rows that reached it earlier are filled with it). Greedy when temperature is
+        0; ``vocab_limit``, ``eos_token_id`` and ``seed`` as in ``generate_stream``."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, seed, vocab_limit,
+                                        eos_token_id))
         return torch.cat([idx, *new], dim=1)
 
     # -- weights -------------------------------------------------------------------------------

@@ -24,8 +24,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only (default: all)")
     parser.add_argument("--top-p", type=float, default=None,
                         help="nucleus sampling: from the fewest tokens whose probabilities sum to p (default: all)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler: equal seeds, equal text "
-                        "(default: a fresh draw)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler: equal seeds, equal text; "
+                        "sample n of --num-samples takes seed + n (default: a fresh draw)")
+    parser.add_argument("--ignore-eot", action="store_true",
+                        help="go on past the tokenizer's end-of-text token (default: a sample ends there, as a "
+                             "document does)")
     parser.add_argument("--attention", default=None, help="swap the attention mechanism (e.g. linear); weights kept")
     parser.add_argument("--device", default="cpu", help="cpu (default), auto, cuda, cuda:N or mps")
 
@@ -97,8 +100,12 @@ def _stream(model, tok, idx, args, seed, out) -> None:
     out.flush()
     # decode the growing tail so multi-byte characters split across tokens print correctly
     pending: list[int] = []
+    eot = None if args.ignore_eot else tok.eot_token
     for nxt in model.generate_stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed,
-                                     vocab_limit=tok.vocab_size):  # never a padding id: it has no text
+                                     vocab_limit=tok.vocab_size,  # never a padding id: it has no text
+                                     eos_token_id=eot):
+        if int(nxt[0, 0]) == eot:  # the end of the text: nothing to print for it
+            break
         pending.append(int(nxt[0, 0]))
         text = tok.decode(pending)
         if not text.endswith("\ufffd"):

@@ -19,8 +19,27 @@ def test_sample_streams_the_greedy_continuation(byte_checkpoint, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     ids = model.generate(torch.tensor([list(b"ab")]), 12, temperature=0)[0].tolist()
+    ids = ids[: ids.index(256, 2)] if 256 in ids[2:] else ids  # a sample ends at the end-of-text token
     expected = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
     assert out == expected + "\n"
+
+
+def test_sample_ends_at_the_end_of_text_unless_told_otherwise(tmp_path, capsys):
+    """A model that always predicts end-of-text: the sample ends there (it printed GPT-2's
+    '<|endoftext|>' again and again; bytes dropped it silently and went on); --ignore-eot goes on."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=257, attention="linear"))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # tied to the embedding: only eot keeps a row, whose logit ln_f's bias makes > 0
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.transformer.wte.weight[256].fill_(5.0)
+    path = save_model(model, tmp_path / "eot")
+    argv = ["sample", "--checkpoint", str(path), "--prompt", "ab", "--max-new-tokens", "5", "--temperature", "0",
+            "--tokenizer", "bytes"]
+    assert model.generate(torch.tensor([list(b"ab")]), 1, temperature=0)[0, -1] == 256
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "ab\n"
+    assert main([*argv, "--ignore-eot"]) == 0
+    assert capsys.readouterr().out == "ab\n"  # bytes' eot has no text: five of them print nothing
 
 
 def test_sample_is_seeded(byte_checkpoint, capsys):
