@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 import warnings
 from pathlib import Path
 from typing import Iterable, Optional
@@ -50,6 +51,10 @@ def load_state_dict_checked(model: GPT, state: dict, allow_missing: Iterable[str
     for a, b in (_TIED, _TIED[::-1]):
         if a not in state and b in state:
             state[a] = state[b]
+    if all(k in state for k in _TIED) and not torch.equal(state[_TIED[0]], state[_TIED[1]]):
+        # one matrix serves both here: copying either would silently change the other's role
+        raise ValueError(f"{source} holds an lm_head.weight that differs from the token embedding (untied "
+                         "weights); the GPT ties them, so it cannot load both")
     expected = model.state_dict()
     allow = set(allow_missing)
     missing = [k for k in expected if k not in state and k not in allow]
@@ -122,6 +127,11 @@ def _apply_overrides(config: GPTConfig, overrides: dict) -> GPTConfig:
                          f"{config.n_embd // config.n_head} wide per head in these weights): leave it out when loading")
     if "attention" in overrides and overrides["attention"] != config.attention and "attention_options" not in overrides:
         overrides = {**overrides, "attention_options": _options_that_carry_over(config, overrides["attention"])}
+    elif "attention_options" in overrides and overrides.get("attention", config.attention) == config.attention:
+        left = {k: v for k, v in config.attention_options.items() if k not in (overrides["attention_options"] or {})}
+        if left:  # they replace the saved options as a whole: a saved feature map left out would become elu
+            warnings.warn(f"attention_options replace the saved ones as a whole: {left} are not given and take "
+                          "their defaults (pass them too to keep them)", UserWarning, stacklevel=3)
     return config.replace(**overrides) if overrides else config
 
 
@@ -391,9 +401,30 @@ def save_model(model: GPT, folder, extra_config: Optional[dict] = None, state: O
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd model saves its plain names
     state = model.state_dict() if state is None else state
     state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied to wte
-    _write_safetensors(folder / "model.safetensors", state, metadata={"format": "pt", "lintrans": "gpt"})
-    _write_json(folder / "config.json", {**(extra_config or {}), "model": model.config.to_dict()})
+    # each file is written atomically, the pair is not: one id in both lets a load tell a pair from two
+    # saves (a save killed between its files, over an older one) instead of building the wrong model
+    save_id = uuid.uuid4().hex
+    _write_safetensors(folder / "model.safetensors", state,
+                       metadata={"format": "pt", "lintrans": "gpt", "save_id": save_id})
+    _write_json(folder / "config.json", {**(extra_config or {}), "model": model.config.to_dict(), "save_id": save_id})
     return folder
+
+
+def _check_same_save(folder: Path, cfg: dict) -> None:
+    """ValueError where config.json and model.safetensors name different saves (see save_model)."""
+    weights = folder / "model.safetensors"
+    if "save_id" not in cfg or not weights.is_file():  # saved before the id existed, or no such file
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            theirs = (f.metadata() or {}).get("save_id")
+    except Exception:  # a damaged file: the read of the tensors reports it
+        return
+    if theirs != cfg["save_id"]:
+        raise ValueError(f"{folder}: model.safetensors and config.json come from different saves (one was "
+                         "interrupted between its two files); save the model again")
 
 
 def load_model(path, **overrides) -> GPT:
@@ -424,6 +455,7 @@ def load_model(path, **overrides) -> GPT:
     inner = _lintrans_config(cfg)
     if inner is None:
         return load_hf(path, **overrides)
+    _check_same_save(path, cfg)
     try:
         config = GPTConfig.from_dict(inner)
     except (ValueError, TypeError) as e:

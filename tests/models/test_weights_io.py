@@ -366,3 +366,50 @@ def test_damaged_nanogpt_checkpoints_and_hf_configs_fail_in_one_line(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "n_head": 3}))
     with pytest.raises(ValueError, match=r"hf/config.json: .*divisible by n_head \(3\)"):
         load_model(tmp_path / "hf")
+
+
+def test_an_lm_head_other_than_the_embedding_is_refused(tmp_path):
+    """A GPT-2 file whose config says tied but whose lm_head.weight differs (a fine-tune saved
+    untied): the GPT has one matrix for both, so loading either silently changed the model."""
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, n_positions=8,
+                                                                 vocab_size=11))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1.0
+    model.config.save_pretrained(tmp_path)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items() if not k.endswith(".attn.bias")},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight that differs from the token embedding"):
+        from_pretrained(tmp_path)
+
+
+def test_overriding_some_attention_options_names_the_saved_ones_left_out(tmp_path):
+    """attention_options replace the saved ones as a whole: a saved feature map left out would become
+    elu; the load says so (it was silent) and keeps them when they are given."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11, attention="linear",
+                          attention_options={"feature_map": "softplus", "chunk_size": 4}))
+    save_model(model, tmp_path)
+    with pytest.warns(UserWarning, match=r"\{'feature_map': 'softplus'\} are not given and take their defaults"):
+        load_model(tmp_path, attention_options={"chunk_size": 8})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = load_model(tmp_path, attention_options={"feature_map": "softplus", "chunk_size": 8})
+    assert again.config.attention_options == {"feature_map": "softplus", "chunk_size": 8}
+
+
+def test_weights_and_config_of_different_saves_are_refused(tmp_path):
+    """save_model writes two files, each atomically; a save killed between them, over an older one,
+    left one save's weights under the other's config, which loaded as the wrong model."""
+    a = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11))
+    b = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11, attention="linear"))
+    save_model(a, tmp_path / "a")
+    save_model(b, tmp_path / "b")
+    load_model(tmp_path / "a")
+    (tmp_path / "a" / "model.safetensors").write_bytes((tmp_path / "b" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="come from different saves"):
+        load_model(tmp_path / "a")
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    del config["save_id"]  # a folder saved before the id: loads as before
+    (tmp_path / "b" / "config.json").write_text(json.dumps(config))
+    load_model(tmp_path / "b")
