@@ -5,6 +5,7 @@ tests/ops/test_sliding_window.py (the causal fast-path tests)."""
 import pytest
 import torch
 
+from lintrans.ops import native
 from lintrans.ops.native import sliding_window as native_sw
 from lintrans.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
 
@@ -30,13 +31,15 @@ def test_supported_calls_take_the_kernel(monkeypatch, dtype):
 def test_other_calls_keep_the_pytorch_paths(monkeypatch):
     calls = counted(monkeypatch)
     q, k, v = random_qkv(1, 9, 2, 4, 3, dtype=torch.float32)
-    sliding_window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=3)  # computed in float32
     sliding_window_attention(q, k, v, window=3, dilation=2)
     sliding_window_attention(q, k, v, window=3, global_tokens=[0])
     sliding_window_attention(q, k, v, window=3, causal=False)
     monkeypatch.setenv("LINTRANS_NATIVE", "0")
     sliding_window_attention(q, k, v, window=3)
     assert calls == []
+    monkeypatch.delenv("LINTRANS_NATIVE")
+    sliding_window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=3)  # float32 copies, the kernel
+    assert calls == [1] or not native.available()
 
 
 @needs_native
