@@ -96,6 +96,9 @@ class AttentionSwapWarning(UserWarning):
 def _build(config: GPTConfig, state: dict, source: str, pretrained_attention: str = "softmax",
            pretrained_options: Optional[dict] = None) -> GPT:
     model = GPT(config)
+    if any(p.is_meta for p in model.parameters()):  # under `with torch.device("meta")`: weights would be dropped
+        raise ValueError(f"{source}: loading under a meta device builds no weights; load outside "
+                         "`torch.device('meta')` (then .to() where they should go)")
     swapped = config.attention != pretrained_attention
     if swapped:
         warnings.warn(AttentionSwapWarning(
@@ -390,7 +393,8 @@ def _lintrans_config(cfg: dict) -> Optional[dict]:
     for key in ("model", "model_config", "gpt_config"):
         if isinstance(cfg.get(key), dict):
             return cfg[key]
-    return cfg if "n_layer" in cfg and "model_type" not in cfg else None
+    # a flat GPTConfig; a Hugging Face GPT-2 config also has n_layer, and n_positions, even without model_type
+    return cfg if "n_layer" in cfg and "model_type" not in cfg and "n_positions" not in cfg else None
 
 
 def save_model(model: GPT, folder, extra_config: Optional[dict] = None, state: Optional[dict] = None) -> Path:

@@ -413,3 +413,19 @@ def test_weights_and_config_of_different_saves_are_refused(tmp_path):
     del config["save_id"]  # a folder saved before the id: loads as before
     (tmp_path / "b" / "config.json").write_text(json.dumps(config))
     load_model(tmp_path / "b")
+
+
+def test_a_gpt2_config_without_model_type_loads_and_meta_is_refused(tmp_path):
+    """transformers loads a GPT-2 config.json without model_type; it was read as a flat lintrans
+    config and refused with 'unknown GPTConfig keys'. Loading under torch.device('meta') returned a
+    model whose weights were dropped, with torch's warnings only."""
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["model_type"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    idx = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        assert (load_model(tmp_path).eval()(idx)[0] - hf(idx).logits).abs().max() < 1e-4
+    with torch.device("meta"), pytest.raises(ValueError, match="meta device builds no weights"):
+        load_model(tmp_path)
