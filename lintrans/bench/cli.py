@@ -77,8 +77,8 @@ class BenchOptions:
     T: Optional[list[int]] = field(default=None, metadata={
         "help": "exactly these contexts instead of the powers of two up to --max-T", "low": 1})
     decoders: Optional[list[str]] = field(default=None, metadata={
-        "help": "generate: the attentions to decode with (any of lintrans.nn.available_attention(), or all; "
-                "default softmax and linear)"})
+        "help": "generate: the attentions to decode with (any of lintrans.nn.available_attention() but none, or "
+                "all; default softmax and linear)"})
     time_cap: Optional[float] = field(default=None, metadata={"help": "seconds per step past which a curve stops",
                                                               "low": 0, "low_open": True})
     memory_cap_gb: Optional[float] = field(default=None, metadata={

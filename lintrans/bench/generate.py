@@ -59,7 +59,7 @@ def decoder_series() -> dict[str, str]:
 
 
 def run_generate(Ts: list[int], caps: Caps, *, size: str = "4L-128", device: str = "cpu", on_point=None,
-                 decoders=("softmax", "linear")) -> list[Point]:
+                 decoders=tuple(NAMED)) -> list[Point]:
     """``decoders``: which attentions of ``decoder_series()`` to run (the softmax prefill of a long context with a
     large model takes minutes; its cache is in ``decode_lines`` from the cost model either way)."""
     max_T = max(Ts)

@@ -38,7 +38,8 @@ def sample_next(
         # drop a token when the tokens before it already reach top_p (the first always stays). The mass
         # before each token in float64, summed without it (float32's cumsum over 50k tokens drifted by 2e-5,
         # which moved the nucleus's edge by a token)
-        probs = sorted_logits.double().softmax(-1)
+        wide = torch.float32 if sorted_logits.device.type == "mps" else torch.float64  # MPS has no float64
+        probs = sorted_logits.to(wide).softmax(-1)
         before = torch.cat([probs.new_zeros(probs.shape[0], 1), probs[:, :-1].cumsum(-1)], dim=-1)
         drop_sorted = before >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)

@@ -51,7 +51,9 @@ def load_state_dict_checked(model: GPT, state: dict, allow_missing: Iterable[str
     for a, b in (_TIED, _TIED[::-1]):
         if a not in state and b in state:
             state[a] = state[b]
-    if all(k in state for k in _TIED) and not torch.equal(state[_TIED[0]], state[_TIED[1]]):
+    a, b = (state.get(k) for k in _TIED)
+    if (a is not None and b is not None and a is not b and a.shape == b.shape
+            and not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)):
         # one matrix serves both here: copying either would silently change the other's role
         raise ValueError(f"{source} holds an lm_head.weight that differs from the token embedding (untied "
                          "weights); the GPT ties them, so it cannot load both")
@@ -532,9 +534,9 @@ def trained_tokenizer(name_or_path) -> Optional[str]:
         return None
     if d.get("tokenizer") in TOKENIZERS:
         return d["tokenizer"]
-    vocab = d.get("vocab_size")
-    if d.get("model_type") == "gpt2" and isinstance(vocab, int) and vocab >= 50257:
-        return "gpt2"
+    vocab = d.get("vocab_size", 50257)  # transformers' GPT2Config defaults
+    if _lintrans_config(d) is None and d.get("model_type", "gpt2") == "gpt2" and isinstance(vocab, int) and vocab >= 50257:
+        return "gpt2"  # what load_model reads as a Hugging Face GPT-2
     return None
 
 

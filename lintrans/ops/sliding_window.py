@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -420,7 +421,7 @@ def sliding_window_step(
         or cache.ring_v.shape != (B, H, R, Dv)
         or cache.ring_k.dtype != dtype
         or cache.ring_v.dtype != dtype
-        or not (isinstance(cache.pos, int) and cache.pos >= 0)
+        or not (isinstance(cache.pos, numbers.Integral) and not isinstance(cache.pos, bool) and cache.pos >= 0)
     ):
         raise ValueError(
             f"cache must be a SlidingWindowCache with rings of shape {[B, H, R, Dk]} and {[B, H, R, Dv]} in {dtype} "
@@ -430,7 +431,7 @@ def sliding_window_step(
                if isinstance(cache, SlidingWindowCache) else type(cache).__name__)
         )
     check_bool("inplace", inplace)
-    p = cache.pos
+    p = int(cache.pos)
     qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
     ring_k, ring_v = cache.ring_k, cache.ring_v
     if not (inplace and can_write_in_place(ring_k, ring_v, q, k, v)):  # else copies: the caller keeps its rings
@@ -443,6 +444,10 @@ def sliding_window_step(
         prefix_v = torch.cat([prefix_v, vd[:, :, None]], dim=2)
     new_cache = SlidingWindowCache(ring_k, ring_v, prefix_k, prefix_v, p + 1)
     qd = qd[:, :, None]  # [B,H,1,Dk]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, ring_k, ring_v)):
+        # the scores save the rings for backward, and the rings go on in the cache, where a later step
+        # under no_grad may write in place: score against copies
+        ring_k, ring_v = ring_k.clone(), ring_v.clone()
     if p in gl:  # a global row: every key so far
         s = qd @ prefix_k.transpose(-1, -2)  # [B,H,1,P]
         return (s.softmax(-1) @ prefix_v)[:, :, 0].to(q.dtype), new_cache
@@ -472,8 +477,6 @@ def _global_list(global_tokens) -> list:
 def _in_band_of(offset: int, window: int, dilation: int) -> bool:
     """_in_band for one causal offset, in Python."""
     return 0 <= offset <= (window - 1) * dilation and offset % dilation == 0
-
-
 
 
 def sliding_window_attention_reference(

@@ -89,8 +89,8 @@ def check_distill(data):
     row = data["summary"]["maps"]["elu"]
     assert row["val_loss_no_finetune"]["mean"] is not None
     # a share of the teacher's gain over the unigram exists only where it gained (a --quick teacher may not)
-    gained = data["summary"]["teacher_val_loss"]["max"] < data["summary"]["unigram_val_loss"]
-    assert row["recovered_finetuned"]["n"] == (s["seeds"] if gained else 0)
+    gained = sum(t["final_val_loss"] < data["summary"]["unigram_val_loss"] for t in data["teachers"])
+    assert row["recovered_finetuned"]["n"] == gained
     teachers = len(s["teacher_lrs"]) + s["seeds"] - 1
     return teachers + len(s["maps"]) * (len(s["lrs"]) + s["seeds"] - 1)
 

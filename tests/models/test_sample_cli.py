@@ -38,8 +38,19 @@ def test_sample_ends_at_the_end_of_text_unless_told_otherwise(tmp_path, capsys):
     assert model.generate(torch.tensor([list(b"ab")]), 1, temperature=0)[0, -1] == 256
     assert main(argv) == 0
     assert capsys.readouterr().out == "ab\n"
-    assert main([*argv, "--ignore-eot"]) == 0
-    assert capsys.readouterr().out == "ab\n"  # bytes' eot has no text: five of them print nothing
+    asked = []
+    stream = GPT.generate_stream
+
+    def recording(self, *a, **kw):
+        asked.append(kw.get("eos_token_id"))
+        return stream(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GPT, "generate_stream", recording)
+        assert main([*argv, "--ignore-eot"]) == 0
+        assert main(argv) == 0
+    assert asked == [None, 256]
+    assert capsys.readouterr().out == "ab\n" * 2  # bytes' eot has no text: going on past it prints nothing
 
 
 def test_sample_is_seeded(byte_checkpoint, capsys):

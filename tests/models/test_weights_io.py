@@ -429,3 +429,25 @@ def test_a_gpt2_config_without_model_type_loads_and_meta_is_refused(tmp_path):
         assert (load_model(tmp_path).eval()(idx)[0] - hf(idx).logits).abs().max() < 1e-4
     with torch.device("meta"), pytest.raises(ValueError, match="meta device builds no weights"):
         load_model(tmp_path)
+
+
+def test_tied_weights_with_a_nan_are_not_called_untied(tmp_path):
+    """NaN != NaN: a tied state with a NaN in its embedding was refused as 'untied weights'."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11))
+    state = model.state_dict()
+    state["transformer.wte.weight"][0, 0] = float("nan")
+    state = {**state, "lm_head.weight": state["transformer.wte.weight"].clone()}
+    from lintrans.models.hf import load_state_dict_checked
+
+    load_state_dict_checked(GPT(model.config), state)
+
+
+def test_the_tokenizer_of_gpt2_weights_without_model_type(tmp_path):
+    from lintrans.models.hf import trained_tokenizer
+
+    hf_model().config.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["model_type"]
+    config["vocab_size"] = 50257
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert trained_tokenizer(tmp_path) == "gpt2"

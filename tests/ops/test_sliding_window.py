@@ -341,3 +341,31 @@ def test_step_rejects_a_cache_from_other_settings():
     assert isinstance(cache, SlidingWindowCache)
     with pytest.raises(ValueError, match="SlidingWindowCache"):  # values of another width
         sliding_window_step(q[:, 0], k[:, 0], torch.randn(1, 2, 3), cache, window=3)
+
+
+def test_gradients_survive_a_later_in_place_step_when_only_q_needs_them():
+    """Steps with only q requiring grad copy the rings, and those copies go on in the cache: a later
+    in-place step under no_grad wrote into what the scores had saved, and backward failed."""
+    q, k, v = inputs(1, 8, 2, 4, 3, seed=7)
+    q.requires_grad_()
+    cache = sliding_window_cache(k[:, :4], v[:, :4], window=3)
+    outs = []
+    for t in range(4, 7):
+        o, cache = sliding_window_step(q[:, t], k[:, t], v[:, t], cache, window=3, inplace=True)
+        outs.append(o)
+    with torch.no_grad():
+        sliding_window_step(q[:, 7], k[:, 7], v[:, 7], cache, window=3, inplace=True)
+    (g,) = torch.autograd.grad(torch.stack(outs, 1).sum(), q)
+    full = sliding_window_attention(q, k, v, window=3)[:, 4:7]
+    (want,) = torch.autograd.grad(full.sum(), q)
+    torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_cache_position_may_be_any_integer():
+    import numpy as np
+
+    q, k, v = inputs(1, 5, 1, 2, 2)
+    cache = sliding_window_cache(k[:, :4], v[:, :4], window=2)
+    o, new = sliding_window_step(q[:, 4], k[:, 4], v[:, 4], cache._replace(pos=np.int64(4)), window=2)
+    torch.testing.assert_close(o, sliding_window_attention(q, k, v, window=2)[:, 4])
+    assert new.pos == 5 and type(new.pos) is int
