@@ -12,7 +12,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", help="lintrans checkpoint folder, Hugging Face GPT-2 folder or nanoGPT ckpt.pt")
     src.add_argument("--hf", metavar="PATH_OR_NAME",
                      help="Hugging Face GPT-2 folder, or a model name found in the local HF cache (e.g. gpt2)")
-    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    text.add_argument("--prompt-file", metavar="PATH", default=None,
+                      help="read the text to continue from a UTF-8 file (- for standard input)")
     parser.add_argument("--tokenizer", choices=("gpt2", "bytes"), default=None,
                         help="default: the one a lintrans checkpoint records, else bytes for a vocabulary "
                         "smaller than GPT-2's, else gpt2")
@@ -63,9 +66,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"lintrans sample: tokenizer {name!r} has {tok.vocab_size} tokens but the model only "
               f"{model.config.vocab_size}; pick the tokenizer the model was trained with", file=sys.stderr)
         return 2
+    if args.prompt_file is not None:
+        try:
+            args.prompt = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"lintrans sample: --prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}",
+                  file=sys.stderr)
+            return 2
     ids = tok.encode(args.prompt)
     if not ids:
-        print("lintrans sample: --prompt must not be empty", file=sys.stderr)
+        print(f"lintrans sample: {'--prompt-file' if args.prompt_file else '--prompt'} must not be empty",
+              file=sys.stderr)
         return 2
     from .generate import check_sampling
 

@@ -209,3 +209,26 @@ def test_cli_warnings_are_one_line_while_a_command_runs(tmp_path, monkeypatch):
     assert main(["sample", "--checkpoint", str(tmp_path)]) == 0
     assert seen == ["lintrans: UserWarning: careful\n"]  # no file, line number or source line
     assert warnings.formatwarning is before  # restored after the command
+
+
+def test_prompt_from_a_file_or_standard_input(byte_checkpoint, tmp_path, capsys, monkeypatch):
+    """--prompt-file PATH (or - for stdin): the same continuation as --prompt with its text; a missing
+    file or an empty one is a one-line error."""
+    import io
+
+    path, _ = byte_checkpoint
+    base = ["sample", "--checkpoint", str(path), "--max-new-tokens", "6", "--temperature", "0", "--tokenizer", "bytes"]
+    assert main([*base, "--prompt", "héllo\nthere"]) == 0
+    want = capsys.readouterr().out
+    f = tmp_path / "p.txt"
+    f.write_text("héllo\nthere", encoding="utf-8")
+    assert main([*base, "--prompt-file", str(f)]) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr("sys.stdin", io.StringIO("héllo\nthere"))
+    assert main([*base, "--prompt-file", "-"]) == 0
+    assert capsys.readouterr().out == want
+    assert main([*base, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    assert "--prompt-file" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")
+    assert main([*base, "--prompt-file", str(tmp_path / "empty.txt")]) == 2
+    assert "--prompt-file must not be empty" in capsys.readouterr().err
