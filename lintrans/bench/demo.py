@@ -23,12 +23,12 @@ from typing import Optional
 def configure(p: argparse.ArgumentParser) -> None:
     # 4k: past it softmax's step alone outgrows the demo's minutes, and each point now gets two
     # alternating rounds; `bench train` and the records in docs/results go to 16k-32k
-    p.add_argument("--max-T", type=int, default=4096, help="longest context for the training step (default 4096)")
+    p.add_argument("--max-T", type=int, default=4096, help="longest context for the training step, >= 256 (default 4096)")
     p.add_argument("--generate-max-T", type=int, default=8192,
-                   help="longest context for time per generated token (default 8192)")
+                   help="longest context for time per generated token, >= 256 (default 8192)")
     # 8k, not 16k: softmax's 16k op step, timed three times, would make the demo much longer; the full
     # profile and docs/results/peers have the op to 16k and beyond
-    p.add_argument("--ops-max-T", type=int, default=8192, help="longest context for the op benchmark (default 8192)")
+    p.add_argument("--ops-max-T", type=int, default=8192, help="longest context for the op benchmark, >= 256 (default 8192)")
     p.add_argument("--size", default="12L-128", help="model size for the training step (default 12L-128)")
     p.add_argument("--time-cap", type=float, default=12.0, help="seconds per step past which a curve stops (default 12)")
     p.add_argument("--out", type=Path, default=Path("runs/demo"),
