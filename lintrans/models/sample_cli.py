@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from lintrans.checks import check_positive_int
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.prompt_file is not None:
         try:
-            args.prompt = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+            args.prompt = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             print(f"lintrans sample: --prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}",
                   file=sys.stderr)

@@ -74,7 +74,7 @@ class Retention(_GatedAttention):
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         # H constants kept in a plain attribute, not a buffer (which .half() would round), made once per
-        # device (they were made every call: a tenth of a decoding step)
+        # device rather than every call (a decoding step's cost is its count of small ops)
         cached = self.__dict__.get("_log_decays")
         if cached is None or cached.device != x.device:
             with torch.inference_mode(False):  # a cached inference tensor could not be saved for backward

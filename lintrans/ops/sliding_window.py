@@ -444,9 +444,10 @@ def sliding_window_step(
         prefix_v = torch.cat([prefix_v, vd[:, :, None]], dim=2)
     new_cache = SlidingWindowCache(ring_k, ring_v, prefix_k, prefix_v, p + 1)
     qd = qd[:, :, None]  # [B,H,1,Dk]
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, ring_k, ring_v)):
+    if torch.is_grad_enabled() and q.requires_grad and not (ring_k.requires_grad or ring_v.requires_grad):
         # the scores save the rings for backward, and the rings go on in the cache, where a later step
-        # under no_grad may write in place: score against copies
+        # under no_grad may write in place (can_write_in_place refuses only rings that require grad):
+        # score against copies
         ring_k, ring_v = ring_k.clone(), ring_v.clone()
     if p in gl:  # a global row: every key so far
         s = qd @ prefix_k.transpose(-1, -2)  # [B,H,1,P]
@@ -455,7 +456,7 @@ def sliding_window_step(
     if p < R - 1 or dilation > 1:  # else every slot holds a key of the band
         back = (p - torch.arange(R, device=q.device)) % R  # slot j holds the position `back` tokens before p
         s = s.masked_fill((back > p) | (back % dilation != 0), float("-inf"))
-    g = [x for x in gl if x < p and not _in_band_of(p - x, window, dilation)]
+    g = [x for x in gl if x < p and not _in_band(p - x, window, dilation, True)]  # Python ints: one bool
     if not g:
         return (s.softmax(-1) @ ring_v)[:, :, 0].to(q.dtype), new_cache
     # global keys outside the band, scored beside the ring (not copied into it: that copies the ring)
@@ -472,11 +473,6 @@ def _global_list(global_tokens) -> list:
         return sorted(set(global_tokens))
     gidx = global_positions(global_tokens, None)
     return [] if gidx is None else gidx.tolist()
-
-
-def _in_band_of(offset: int, window: int, dilation: int) -> bool:
-    """_in_band for one causal offset, in Python."""
-    return 0 <= offset <= (window - 1) * dilation and offset % dilation == 0
 
 
 def sliding_window_attention_reference(

@@ -45,7 +45,7 @@ class gates_from_layer:
 
 def reads_gate_values(device: torch.device) -> bool:
     """``reads_values``, except inside ``gates_from_layer``."""
-    return not _GATES.on and device.type in HOST_READ_DEVICES
+    return not _GATES.on and reads_values(device)
 
 
 _NOTHING = contextlib.nullcontext()  # reusable: a decoding step asks once per layer and token

@@ -263,6 +263,10 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
 
     from lintrans.models.hf import WEIGHT_PRESERVING, AttentionSwapWarning, from_pretrained, trained_tokenizer
 
+    theirs = trained_tokenizer(cfg.train.init_from)  # from their config.json: before the weights are read
+    if theirs is not None and theirs != tokenizer.name:  # its embeddings would read another tokenizer's ids
+        raise ValueError(f"train.init_from {cfg.train.init_from} was trained with the {theirs} tokenizer, "
+                         f"data.tokenizer is {tokenizer.name!r}: set data.tokenizer={theirs}")
     overrides = {k: v for k, v in cfg.model.items() if k in WEIGHT_PRESERVING}
     ignored = sorted(k for k in cfg.model if k not in WEIGHT_PRESERVING)
     with warnings.catch_warnings(record=True) as caught:
@@ -284,10 +288,6 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"train.init_from {cfg.train.init_from} has {model.config.vocab_size} tokens, fewer than "
                          f"the {tokenizer.name} tokenizer's {tokenizer.vocab_size}: set data.tokenizer to its own")
-    theirs = trained_tokenizer(cfg.train.init_from)
-    if theirs is not None and theirs != tokenizer.name:  # its embeddings would read another tokenizer's ids
-        raise ValueError(f"train.init_from {cfg.train.init_from} was trained with the {theirs} tokenizer, "
-                         f"data.tokenizer is {tokenizer.name!r}: set data.tokenizer={theirs}")
     swap = f" (they were trained with {trained_with} attention: this run fine-tunes them for it)" if trained_with else ""
     say(f"initial weights from {cfg.train.init_from}, run with {model.config.attention} attention{swap}")
     return model
