@@ -445,6 +445,32 @@ def test_steps_equal_the_full_op(gate, l2, chunked_path):
     assert_close(S, S_full, 1e-12, "S")
 
 
+def test_decoding_step_takes_the_fused_kernel_unless_autograd_records(chunked_path, monkeypatch):
+    """test_steps_equal_the_full_op runs each step on the path set up here: this checks which path that is
+    (the fused step where the kernels run and nothing records gradients), and that the kernel's step,
+    given a float32 state, equals the PyTorch step's and leaves the state as it was."""
+    from lintrans.ops.native import delta_rule as native_delta
+
+    calls = []
+    fused = native_delta.step
+    monkeypatch.setattr(native_delta, "step", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    q, k, v, beta = (x[:, 0].float() for x in inputs(3, 1, 4, 6, 5))
+    S0 = state(3, 4, 6, 5).float()
+    before = S0.clone()
+    ld = -torch.rand(3, 4, generator=gen(1))
+    o, S = delta_rule_step(q, k, v, beta, S0, log_decay=ld, scale=0.3)
+    assert torch.equal(S0, before)
+    assert calls == ([1] if chunked_path == "native" and native_delta.takes(q) else [])
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    o_ref, S_ref = delta_rule_step(q, k, v, beta, S0, log_decay=ld, scale=0.3)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(S, S_ref, rtol=1e-5, atol=1e-6)
+    monkeypatch.delenv("LINTRANS_NATIVE")
+    calls.clear()
+    delta_rule_step(q.requires_grad_(), k, v, beta, S0)  # autograd records: the PyTorch step
+    assert calls == []
+
+
 def test_step_without_state_and_dtypes():
     q, k, v, beta = inputs(1, 1, 2, 4, 3)
     o, S = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0])

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from lintrans.ops import linear_attention, linear_attention_reference
+from lintrans.ops import linear_attention, linear_attention_reference, linear_attention_step
 from lintrans.ops import native
 from lintrans.ops.native import chunked as native_chunked
 
@@ -161,3 +161,87 @@ def test_torch_compile_runs_the_kernel_eagerly(monkeypatch):
     q, k, v = (x.float().requires_grad_() for x in random_qkv(1, 9, 2, 4, 3))
     loss = lambda q, k, v: linear_attention(q, k, v, chunk_size=4)[0].square().sum()  # noqa: E731
     assert_compiled_equals_eager(loss, (q, k, v), counted(monkeypatch))
+
+
+def _step_inputs(B, H, Dk, Dv, dtype, decay, gen):
+    q, k = (torch.randn(B, H, Dk, dtype=dtype, generator=gen) for _ in range(2))
+    v = torch.randn(B, H, Dv, dtype=dtype, generator=gen)
+    state = (torch.randn(B, H, Dk, Dv, dtype=dtype, generator=gen), torch.rand(B, H, Dk, dtype=dtype, generator=gen) + 1)
+    ld = {None: None, "per-batch": -torch.rand(B, H, dtype=dtype, generator=gen),
+          "per-head": -torch.rand(H, dtype=dtype, generator=gen)}[decay]
+    return q, k, v, state, ld
+
+
+def _step_calls(monkeypatch):
+    calls = []
+    step = native_chunked.step
+    monkeypatch.setattr(native_chunked, "step", lambda *a, **kw: calls.append(1) or step(*a, **kw))
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "softplus", "identity", None])
+@pytest.mark.parametrize("decay", [None, "per-batch", "per-head"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_decoding_step_kernel_equals_the_pytorch_step(monkeypatch, feature_map, decay, normalize):
+    """The fused decoding step (no gradients recorded) against the PyTorch step, in float64, Dk != Dv;
+    the state it was given is left as it was."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, state, ld = _step_inputs(2, 3, 5, 7, torch.float64, decay, gen)
+    before = tuple(s.clone() for s in state)
+    calls = _step_calls(monkeypatch)
+    kw = dict(feature_map=feature_map, normalize=normalize, scale=0.4, eps=1e-3, log_decay=ld)
+    with torch.no_grad():
+        o, (S, z) = linear_attention_step(q, k, v, state, **kw)
+    assert calls == [1]
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    o_ref, (S_ref, z_ref) = linear_attention_step(q, k, v, state, **kw)
+    assert calls == [1]
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(S, S_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z, z_ref, rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+
+
+@needs_native
+def test_decoding_step_kernel_float32_large_batch_and_strided_state(monkeypatch):
+    """A batch large enough for the kernel to use threads, a state given as expanded (stride-0) views:
+    against the float64 PyTorch step; the result is the same for any number of threads."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, _, ld = _step_inputs(4, 8, 32, 64, torch.float64, "per-batch", gen)
+    S = torch.randn(1, 8, 32, 64, dtype=torch.float64, generator=gen).expand(4, -1, -1, -1)
+    z = (torch.rand(1, 8, 32, dtype=torch.float64, generator=gen) + 1).expand(4, -1, -1)
+    calls = _step_calls(monkeypatch)
+    f32 = lambda *xs: tuple(x.float() for x in xs)  # noqa: E731
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                outs.append(linear_attention_step(*f32(q, k, v), f32(S, z), log_decay=ld.float(), scale=0.2))
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 1, 1]
+    for o, (S1, z1) in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(S1, outs[0][1][0]) and torch.equal(z1, outs[0][1][1])
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    o_ref, (S_ref, z_ref) = linear_attention_step(q, k, v, (S, z), log_decay=ld, scale=0.2)
+    o, (S1, z1) = outs[0]
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(S1.double(), S_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z1.double(), z_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_decoding_steps_that_record_gradients_or_cannot_be_fused_keep_pytorch(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, state, _ = _step_inputs(1, 2, 4, 4, torch.float32, None, gen)
+    calls = _step_calls(monkeypatch)
+    linear_attention_step(q.requires_grad_(), k, v, state)  # autograd records
+    with torch.no_grad():
+        linear_attention_step(q, k, v, None)  # no state yet
+        _, wide = linear_attention_step(q, k, v, None, feature_map="based")  # no kernel code (and its own width)
+        linear_attention_step(q, k, v, wide, feature_map="based")
+        linear_attention_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), state)  # 16-bit inputs
+    assert calls == []

@@ -155,6 +155,10 @@ def delta_rule_step(
     if state is not None:
         _check_state(state, B, H, Dk, Dv, q.device, "state")
     dtype = compute_dtype(q.dtype)
+    if state is not None and _native_enabled and native_delta.step_supports(q, k, v, beta, log_decay, state):
+        # one fused call where nothing records gradients (the torch ops below cost more to dispatch than to run)
+        return native_delta.step(q, k, v, beta, log_decay, state, l2_normalize,
+                                 Dk ** -0.5 if scale is None else scale)
     with autocast_off(q.device):
         qs, ks = _prepare(q, k, scale, l2_normalize, dtype)
         S = torch.zeros(B, H, Dk, Dv, dtype=dtype, device=q.device) if state is None else state.to(dtype)

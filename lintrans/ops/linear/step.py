@@ -5,7 +5,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..validation import autocast_off, check_qkv
+from ..native import chunked as native_chunked
+from ..validation import autocast_off, check_qkv, compute_dtype
 from .checks import State, check_log_decay, check_scalars, check_state, featurize
 
 
@@ -30,6 +31,13 @@ def linear_attention_step(
     check_scalars(normalize, scale, eps)
     if log_decay is not None:
         check_log_decay(log_decay, B, None, H, q.device)
+    if (feature_map is None or isinstance(feature_map, str)) and feature_map in native_chunked.PHI_CODES \
+            and state is not None:
+        # a named element-wise map keeps q's width; then one fused call where nothing records gradients
+        S, z = check_state(state, B, H, Dk, Dv, compute_dtype(q.dtype), q.device, arg="state")
+        if native_chunked.step_supports(q, k, v, log_decay, S, z, feature_map):
+            o, S, z = native_chunked.step(q, k, v, log_decay, S, z, feature_map, normalize, scale, eps)
+            return o, (S, z)
     fq, fk = featurize(q, k, feature_map, scale)  # [B,H,F]
     dtype = fq.dtype
     Fd = fq.shape[-1]

@@ -89,6 +89,15 @@ struct ChunkedArgs {
 };
 LINTRANS_EXPORT_SIZEOF(ChunkedArgs)
 
+// Field for field StepArgs in lintrans/ops/native/chunked.py: one decoding step, every tensor contiguous.
+struct StepArgs {
+  const void *q, *k, *v, *ld, *S, *z;  // q, k [B, H, F]; v [B, H, Dv]; ld [B, H] or [H] or null; S [B, H, F, Dv]; z [B, H, F]
+  void *o, *S_out, *z_out;             // o [B, H, Dv]; the new S and z
+  int64_t B, H, F, Dv, ld_batch, phi, normalize, threads;  // ld_batch: ld is [B, H] (else [H])
+  double scale, eps;
+};
+LINTRANS_EXPORT_SIZEOF(StepArgs)
+
 namespace {
 
 // out[0:n] = sum over rows i < m of w_i x[i * ld : i * ld + n], w_i = w[i * ldw] (1 where w is null),
@@ -420,9 +429,59 @@ int backward(const ChunkedArgs& a) {
   return status.get();
 }
 
+// One token of the recurrence, for decoding (linear_attention_step in lintrans/ops/linear/step.py, without
+// autograd): per (batch, head), with g = exp(ld) (1 without a decay), S' = g S + phi(k) v^T,
+// z' = g z + phi(k), o = (scale phi(q))^T S' / ((scale phi(q)) . z' + eps) (no division unless normalize).
+// One call instead of the ~18 small torch ops of that function, whose dispatch a token otherwise pays.
+template <typename T>
+int step(const StepArgs& a) {
+  const int64_t F = a.F, Dv = a.Dv, FE = F * Dv, n = a.B * a.H;
+  Status status;
+  // a decode step of a small model is a few microseconds of work: threads only for a large batch
+#pragma omp parallel num_threads(n * FE >= (int64_t(1) << 16) ? a.threads : 1)
+  status.run([&] {
+    std::vector<T> fq(F), fk(F);
+    const T scale = T(a.scale);
+    const HeadRange r(n);
+    for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+      phi_row(a.phi, static_cast<const T*>(a.q) + bh * F, fq.data(), F);
+      phi_row(a.phi, static_cast<const T*>(a.k) + bh * F, fk.data(), F);
+      const T* v = static_cast<const T*>(a.v) + bh * Dv;
+      const T* S = static_cast<const T*>(a.S) + bh * FE;
+      const T* z = static_cast<const T*>(a.z) + bh * F;
+      T* So = static_cast<T*>(a.S_out) + bh * FE;
+      T* zo = static_cast<T*>(a.z_out) + bh * F;
+      T* o = static_cast<T*>(a.o) + bh * Dv;
+      const T g = a.ld ? T(std::exp(static_cast<const T*>(a.ld)[a.ld_batch ? bh : bh % a.H])) : T(1);
+      T den = 0;
+      std::fill_n(o, Dv, T(0));
+      for (int64_t f = 0; f < F; ++f) {
+        const T kf = fk[f], qf = scale * fq[f];
+        zo[f] = g * z[f] + kf;
+        den += qf * zo[f];
+        const T* Sf = S + f * Dv;
+        T* Sof = So + f * Dv;
+#pragma omp simd
+        for (int64_t j = 0; j < Dv; ++j) {
+          Sof[j] = g * Sf[j] + kf * v[j];
+          o[j] += qf * Sof[j];
+        }
+      }
+      if (a.normalize) {
+        const T r = T(1) / (den + T(a.eps));
+#pragma omp simd
+        for (int64_t j = 0; j < Dv; ++j) o[j] *= r;
+      }
+    }
+  });
+  return status.get();
+}
+
 }  // namespace
 
 extern "C" {
+int lt_linear_step_f32(const StepArgs* a) { return step<float>(*a); }
+int lt_linear_step_f64(const StepArgs* a) { return step<double>(*a); }
 int lt_chunked_forward_f32(const ChunkedArgs* a) { return forward<float>(*a); }
 int lt_chunked_forward_f64(const ChunkedArgs* a) { return forward<double>(*a); }
 int lt_chunked_backward_f32(const ChunkedArgs* a) { return backward<float>(*a); }

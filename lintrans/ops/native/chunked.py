@@ -104,3 +104,39 @@ def backward(q, k, v, ld, o, den, states, do, dS_end, chunk: int, phi, normalize
     if dld is not None and ld.shape[0] == 1 and B > 1:
         dld = dld.sum(0, keepdim=True)
     return dq, dk, dv, dld, dS0
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("q", "k", "v", "ld", "S", "z", "o", "S_out", "z_out")] + \
+               [(n, ctypes.c_int64) for n in ("B", "H", "F", "Dv", "ld_batch", "phi", "normalize", "threads")] + \
+               [("scale", ctypes.c_double), ("eps", ctypes.c_double)]
+
+
+def step_supports(q, k, v, ld, S, z, feature_map) -> bool:
+    """Whether ``step`` can run this decoding step: a named map with a kernel code, CPU tensors of one
+    dtype (float32 or float64, the state's too) and nothing for autograd to record."""
+    xs = (q, k, v, S, z) if ld is None else (q, k, v, S, z, ld)
+    return ((feature_map is None or isinstance(feature_map, str)) and feature_map in PHI_CODES and takes(*xs)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
+
+
+@eager_only
+def step(q, k, v, ld, S, z, phi, normalize: bool, scale: float, eps: float):
+    """One token of the recurrence: (o [B, H, Dv], S_out [B, H, F, Dv], z_out [B, H, F]); S and z are read only."""
+    B, H, F = q.shape
+    Dv = v.shape[-1]
+    require(k.shape == q.shape and v.shape == (B, H, Dv) and S.shape == (B, H, F, Dv) and z.shape == (B, H, F),
+            f"q, k [B, H, F], v [B, H, Dv], S [B, H, F, Dv], z [B, H, F] expected, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(S.shape)}, {tuple(z.shape)}")
+    require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
+    q, k, v, S, z = (x.contiguous() for x in (q, k, v, S, z))
+    if ld is not None:
+        ld = ld.contiguous()
+    o = torch.empty((B, H, Dv), dtype=q.dtype)
+    S_out, z_out = torch.empty_like(S), torch.empty_like(z)
+    a = StepArgs(ptr(q), ptr(k), ptr(v), ptr(ld), ptr(S), ptr(z), ptr(o), ptr(S_out), ptr(z_out), B, H, F, Dv,
+                 int(ld is not None and ld.dim() == 2), PHI_CODES[phi], int(normalize), torch.get_num_threads(),
+                 float(scale), float(eps))
+    call("lt_linear_step", q.dtype, a)
+    return o, S_out, z_out
+

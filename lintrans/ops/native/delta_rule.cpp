@@ -39,6 +39,15 @@ struct DeltaArgs {
 };
 LINTRANS_EXPORT_SIZEOF(DeltaArgs)
 
+// Field for field DeltaStepArgs in lintrans/ops/native/delta_rule.py: one decoding step, every tensor contiguous.
+struct DeltaStepArgs {
+  const void *q, *k, *v, *beta, *ld, *S;  // q, k [B, H, Dk]; v [B, H, Dv]; beta [B, H]; ld [B, H], [H] or null; S [B, H, Dk, Dv]
+  void *o, *S_out;                        // o [B, H, Dv]; the new S
+  int64_t B, H, Dk, Dv, ld_batch, l2, threads;  // ld_batch: ld is [B, H] (else [H])
+  double scale;
+};
+LINTRANS_EXPORT_SIZEOF(DeltaStepArgs)
+
 namespace {
 
 using namespace lintrans_cpu;
@@ -407,9 +416,57 @@ int backward(const DeltaArgs& a) {
   return status.get();
 }
 
+// One token of the recurrence, for decoding (delta_rule_step in lintrans/ops/delta/api.py, without autograd):
+// per (batch, head), with q, k L2-normalised (l2) and q scaled, g = exp(ld) (1 without a decay),
+// u = beta (v - g S^T k), S' = g S + k u^T, o = S'^T q. One call instead of ~15 small torch ops.
+template <typename T>
+int step(const DeltaStepArgs& a) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, n = a.B * a.H;
+  Status status;
+#pragma omp parallel num_threads(n * KV >= (int64_t(1) << 16) ? a.threads : 1)
+  status.run([&] {
+    std::vector<T> qs(Dk), ks(Dk), u(Dv);
+    const HeadRange r(n);
+    for (int64_t bh = r.lo; bh < r.hi; ++bh) {
+      T rq, rk;
+      load_row(static_cast<const T*>(a.q) + bh * Dk, qs.data(), Dk, a.l2, T(a.scale), rq);
+      load_row(static_cast<const T*>(a.k) + bh * Dk, ks.data(), Dk, a.l2, T(1), rk);
+      const T* v = static_cast<const T*>(a.v) + bh * Dv;
+      const T* S = static_cast<const T*>(a.S) + bh * KV;
+      T* So = static_cast<T*>(a.S_out) + bh * KV;
+      T* o = static_cast<T*>(a.o) + bh * Dv;
+      const T g = a.ld ? T(std::exp(static_cast<const T*>(a.ld)[a.ld_batch ? bh : bh % a.H])) : T(1);
+      const T beta = static_cast<const T*>(a.beta)[bh];
+      std::fill_n(u.data(), Dv, T(0));
+      for (int64_t i = 0; i < Dk; ++i) {  // u = S^T k, row by row
+        const T ki = ks[i];
+        const T* Si = S + i * Dv;
+#pragma omp simd
+        for (int64_t j = 0; j < Dv; ++j) u[j] += ki * Si[j];
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < Dv; ++j) u[j] = beta * (v[j] - g * u[j]);
+      std::fill_n(o, Dv, T(0));
+      for (int64_t i = 0; i < Dk; ++i) {
+        const T ki = ks[i], qi = qs[i];
+        const T* Si = S + i * Dv;
+        T* Soi = So + i * Dv;
+#pragma omp simd
+        for (int64_t j = 0; j < Dv; ++j) {
+          Soi[j] = g * Si[j] + ki * u[j];
+          o[j] += qi * Soi[j];
+        }
+      }
+    }
+  });
+  return status.get();
+}
+
 }  // namespace
 
 extern "C" {
+int lt_delta_step_f32(const DeltaStepArgs* a) { return step<float>(*a); }
+int lt_delta_step_f64(const DeltaStepArgs* a) { return step<double>(*a); }
 int lt_delta_forward_f32(const DeltaArgs* a) { return forward<float>(*a); }
 int lt_delta_forward_f64(const DeltaArgs* a) { return forward<double>(*a); }
 int lt_delta_backward_f32(const DeltaArgs* a) { return backward<float>(*a); }

@@ -96,3 +96,37 @@ def backward(q, k, v, beta, ld, u, states, do, dS_end, chunk: int, l2: bool, sca
     if dld is not None and ld.shape[0] == 1 and B > 1:
         dld = dld.sum(0, keepdim=True)
     return dq, dk, dv, dbeta, dld, dS0
+
+
+class DeltaStepArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("q", "k", "v", "beta", "ld", "S", "o", "S_out")] + \
+               [(n, ctypes.c_int64) for n in ("B", "H", "Dk", "Dv", "ld_batch", "l2", "threads")] + \
+               [("scale", ctypes.c_double)]
+
+
+def step_supports(q, k, v, beta, ld, S) -> bool:
+    """Whether ``step`` can run this decoding step: CPU tensors of one dtype (float32 or float64, the
+    state's too) and nothing for autograd to record."""
+    xs = (q, k, v, beta, S) if ld is None else (q, k, v, beta, S, ld)
+    return takes(*xs) and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+
+
+@eager_only
+def step(q, k, v, beta, ld, S, l2: bool, scale: float):
+    """One token of the delta rule: (o [B, H, Dv], S_out [B, H, Dk, Dv]); S is read only."""
+    B, H, Dk = q.shape
+    Dv = v.shape[-1]
+    require(k.shape == q.shape and v.shape == (B, H, Dv) and beta.shape == (B, H) and S.shape == (B, H, Dk, Dv),
+            f"q, k [B, H, Dk], v [B, H, Dv], beta [B, H], S [B, H, Dk, Dv] expected, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(beta.shape)}, {tuple(S.shape)}")
+    require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
+    q, k, v, beta, S = (x.contiguous() for x in (q, k, v, beta, S))
+    if ld is not None:
+        ld = ld.contiguous()
+    o = torch.empty((B, H, Dv), dtype=q.dtype)
+    S_out = torch.empty_like(S)
+    a = DeltaStepArgs(ptr(q), ptr(k), ptr(v), ptr(beta), ptr(ld), ptr(S), ptr(o), ptr(S_out), B, H, Dk, Dv,
+                      int(ld is not None and ld.dim() == 2), int(l2), torch.get_num_threads(), float(scale))
+    call("lt_delta_step", q.dtype, a)
+    return o, S_out
+
