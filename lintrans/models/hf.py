@@ -58,7 +58,7 @@ def load_state_dict_checked(model: GPT, state: dict, allow_missing: Iterable[str
         raise ValueError(f"{source} holds an lm_head.weight that differs from the token embedding (untied "
                          "weights); the GPT ties them, so it cannot load both")
     expected = model.state_dict()
-    allow = set(allow_missing)
+    allow = set(allow_missing) | _optional_keys(model)
     missing = [k for k in expected if k not in state and k not in allow]
     unexpected = [k for k in state if k not in expected]
     shapes = [
@@ -75,6 +75,13 @@ def load_state_dict_checked(model: GPT, state: dict, allow_missing: Iterable[str
         raise ValueError(f"{source} does not match the model config: " + "; ".join(parts))
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     return model
+
+
+def _optional_keys(model: torch.nn.Module) -> set[str]:
+    """Keys older weights may lack: a module's ``optional_state_keys``, which its own
+    ``_load_from_state_dict`` fills in (e.g. Performer's count of draws)."""
+    return {f"{name}.{key}" if name else key
+            for name, m in model.named_modules() for key in getattr(m, "optional_state_keys", ())}
 
 
 def _attention_only(key: str) -> bool:

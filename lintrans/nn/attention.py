@@ -287,7 +287,8 @@ def build_feature_maps(name, options: dict, head_dim: int, n_head: int, per_head
     if must_share and not shared_qk:
         raise ValueError(f"feature map {name!r} needs queries and keys to share it: shared_qk must be True")
     kwargs = dict(options)
-    accepted = set(inspect.signature(cls).parameters) - {"head_dim", "self"}
+    # num_heads is the layer's to set (from per_head and n_head), not an option
+    accepted = set(inspect.signature(cls).parameters) - {"head_dim", "self", "num_heads"}
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
         raise ValueError(f"attention_options['feature_map_options'] for {name!r} has unknown keys {unknown}; "
@@ -379,6 +380,11 @@ class LinearAttention(QKVAttention):
         self.feature_map_name = fm if isinstance(fm, str) else None
         if self.feature_map_name is None:
             self.phi_q, self.phi_k = fm
+        if opts["feature_map"] == "identity" and opts["normalize"]:
+            # signed q and k: the normaliser phi(q) . sum phi(k) crosses zero and the output blows up
+            raise ValueError("attention_options: feature_map 'identity' needs normalize=False (its features "
+                             "are signed, so the normaliser can vanish); choose a positive map such as 'elu' "
+                             "to normalise")
         self.form, self.chunk_size = opts["form"], opts["chunk_size"]
         scale = self.qk_dim ** -0.5 if opts["scale"] is None else opts["scale"]
         self.kw = {"normalize": opts["normalize"], "scale": scale, "eps": opts["eps"]}

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.validation import FLOAT_DTYPES, check_bool, check_number, check_positive_int, compute_dtype
+from ..ops.validation import FLOAT_DTYPES, autocast_off, check_bool, check_number, check_positive_int, check_qkv, compute_dtype
 from ..ops.feature_maps import feature_dim_for, resolve_feature_map, squared_feature_dim, squared_features
 
 __all__ = [
@@ -161,14 +161,20 @@ def gaussian_orthogonal_matrix(
     return directions * lengths[:, None]
 
 
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, 64-bit: spreads the seeds of successive draws (Weyl sequence)
+
+
 class Performer(nn.Module):
     """Performer FAVOR+ (Choromanski et al. 2020): positive (orthogonal) random features.
 
     phi(x) = exp(W x' - |x'|^2 / 2) / sqrt(m) with x' = x / d^(1/4) and W the [m, d] random
     ``projection`` buffer (saved in state_dict), so E[phi(q) . phi(k)] = exp(q . k / sqrt(d)), the
     unnormalised softmax kernel. No stabiliser is subtracted: a per-position maximum would scale each
-    key by a different constant and bias the estimate. The exponent cannot overflow (w . x' - |x'|^2/2
-    <= |w|^2/2, about d/2) but shrinks fast as |x| grows: the features scale like exp(-|x|^2 / (2 sqrt(d))).
+    key by a different constant and bias the estimate. The exponent is at most |w|^2/2 (w . x' - |x'|^2/2 =
+    (|w|^2 - |x' - w|^2)/2), about d/2 and more for W's longest rows: float32 features stay finite up to about
+    d = 128 (exp overflows past 88) but not beyond, and a product of two features (the op's normaliser) can
+    overflow already at d = 64 for inputs aligned with a row of W. The exponent shrinks fast as |x| grows: the
+    features scale like exp(-|x|^2 / (2 sqrt(d))).
     Once they fall near the op's ``eps`` (1e-6 by default) the normaliser is mostly eps and the output
     shrinks towards 0 without any error: at d = 64 with 256 features, inputs of entries with standard
     deviation 3 (|x| about 24) already give outputs near 0 instead of their softmax average. Rows far
@@ -176,14 +182,18 @@ class Performer(nn.Module):
     (nan). Keep queries and keys normalised (e.g. LayerNorm or L2 before the map) at such scales.
     Queries and keys must share one module (one W).
 
-    seed: draws (the first one and every ``redraw()``) come from a private generator seeded with it,
-    so equal seeds give equal features; None uses torch's global generator.
+    seed: draw n (the first, n = 0, at construction; then one per ``redraw()``) comes from a generator
+    seeded by (seed, n) alone, so equal seeds give equal features and a module reloaded from its state_dict
+    (which counts the draws in the ``draws`` buffer) redraws as an uninterrupted one would; None uses
+    torch's global generator. A seed in a GPT's ``feature_map_options`` gives every layer that seed, so
+    every layer the same W (their estimates err alike); leave it None for independent draws per layer.
     ``redraw()`` replaces W in place; call it between optimiser steps, never inside a forward pass,
     where the queries and keys of one sequence would end up with different features.
     Features are computed in float32 (float64 for float64 inputs).
     """
 
     shared_by_q_and_k = True  # resolve_feature_map refuses it in a pair with another module
+    optional_state_keys = ("draws",)  # absent from weights saved before it was counted
 
     def __init__(
         self, head_dim: int, num_features: int, *, seed: Optional[int] = None, orthogonal: bool = True
@@ -194,8 +204,11 @@ class Performer(nn.Module):
         check_number("seed", seed, integer=True, allow_none=True)
         check_bool("orthogonal", orthogonal)
         self.head_dim, self.num_features, self.orthogonal, self.num_heads = head_dim, num_features, orthogonal, None
-        self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.seed = seed
         self.register_buffer("projection", torch.empty(num_features, head_dim))  # [m, d]
+        # the draws made so far, saved with the weights: a reloaded module's next redraw() is the one an
+        # uninterrupted run would make
+        self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
         self.redraw()
 
     @property
@@ -204,17 +217,27 @@ class Performer(nn.Module):
 
     @torch.no_grad()
     def redraw(self) -> None:
-        w = gaussian_orthogonal_matrix(
-            self.num_features, self.head_dim, orthogonal=self.orthogonal, generator=self._generator
-        )
+        generator = None
+        if self.seed is not None:  # draw n from its own seed: (seed, n) alone decides it
+            n = int(self.draws)
+            generator = torch.Generator().manual_seed((self.seed + n * _SEED_STRIDE) % 2**64)
+        w = gaussian_orthogonal_matrix(self.num_features, self.head_dim, orthogonal=self.orthogonal,
+                                       generator=generator)
         self.projection.copy_(w)
+        self.draws += 1
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # weights saved before the draws were counted: they hold the first draw
+        state_dict.setdefault(prefix + "draws", torch.ones((), dtype=torch.int64))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(self, x)
         dtype = compute_dtype(x.dtype)
-        x = x.to(dtype) * self.head_dim**-0.25
-        wx = x @ self.projection.to(dtype).T  # [..., m]
-        return torch.exp(wx - 0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(self.num_features)
+        with autocast_off(x.device):  # the exponent in dtype under mixed precision too: 16 bits would bias the estimate
+            x = x.to(dtype) * self.head_dim**-0.25
+            wx = x @ self.projection.to(dtype).T  # [..., m]
+            return torch.exp(wx - 0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(self.num_features)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, num_features={self.num_features}, orthogonal={self.orthogonal}"
@@ -227,8 +250,14 @@ def _causal_mask(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
+def _check_qk(q, k) -> None:
+    """q and k [B, T, H, D] of one shape: the weights' einsums would broadcast a batch or head of one."""
+    check_qkv(q, k, k)  # k as v: the checks of q and k (shape, dtype, device), none of v's can fail
+
+
 def attention_weights(q: torch.Tensor, k: torch.Tensor, feature_map, *, causal: bool = True) -> torch.Tensor:
     """The attention matrix of normalised linear attention: q, k [B, T, H, D] -> [B, H, T, T], rows sum to 1."""
+    _check_qk(q, k)
     phi_q, phi_k = resolve_feature_map(feature_map)
     a = torch.einsum("bihf,bjhf->bhij", phi_q(q), phi_k(k))  # [B,H,T,T]
     if causal:
@@ -240,6 +269,8 @@ def softmax_attention_weights(
     q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scale: Optional[float] = None
 ) -> torch.Tensor:
     """softmax(scale * q k^T) (scale defaults to 1/sqrt(D)): q, k [B, T, H, D] -> [B, H, T, T]."""
+    _check_qk(q, k)
+    check_number("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale  # [B,H,T,T]
     if causal:

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .linear import linear_attention, linear_attention_step
-from .validation import check_bool, check_number, check_positive_int, check_qkv, compute_dtype
+from .validation import autocast_off, check_bool, check_number, check_positive_int, check_qkv, compute_dtype
 
 
 class CosformerState(NamedTuple):
@@ -98,9 +98,10 @@ def cosformer_attention(
     pos = torch.arange(offset, offset + T, device=q.device)
     fq, fk = _features(q, pos, M, dtype), _features(k, pos, M, dtype)  # [B,T,H,2Dk]
     if not causal:
-        kv = torch.einsum("bthf,bthd->bhfd", fk, v.to(dtype))  # [B,H,2Dk,Dv]
-        num = torch.einsum("bthf,bhfd->bthd", fq, kv)
-        den = torch.einsum("bthf,bhf->bth", fq, fk.sum(1))  # [B,T,H]
+        with autocast_off(q.device):  # in dtype under mixed precision too, as the causal form's op keeps it
+            kv = torch.einsum("bthf,bthd->bhfd", fk, v.to(dtype))  # [B,H,2Dk,Dv]
+            num = torch.einsum("bthf,bhfd->bthd", fq, kv)
+            den = torch.einsum("bthf,bhf->bth", fq, fk.sum(1))  # [B,T,H]
         return (num / (den[..., None] + eps)).to(q.dtype), None
     o, state = linear_attention(fq, fk, v.to(dtype), feature_map="identity", normalize=True, eps=eps,
                                 chunk_size=chunk_size, output_final_state=output_final_state,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .validation import check_bool, check_number, check_qkv, compute_dtype
+from .validation import autocast_off, check_bool, check_number, check_qkv, compute_dtype
 
 
 def taylor_polynomial(s: torch.Tensor, order: int) -> torch.Tensor:
@@ -45,9 +45,10 @@ def taylor_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(Dk)
     dtype = compute_dtype(q.dtype)
-    s = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k.to(dtype)) * scale  # [B,H,T,T]
-    sim = taylor_polynomial(s, order)
-    if causal:
-        sim = sim.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), 0.0)
-    sim = sim / sim.sum(-1, keepdim=True)
-    return torch.einsum("bhij,bjhd->bihd", sim, v.to(dtype)).to(q.dtype)
+    with autocast_off(q.device):  # in that dtype under mixed precision too (autocast would make the products 16-bit)
+        s = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k.to(dtype)) * scale  # [B,H,T,T]
+        sim = taylor_polynomial(s, order)
+        if causal:
+            sim = sim.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), 0.0)
+        sim = sim / sim.sum(-1, keepdim=True)
+        return torch.einsum("bhij,bjhd->bihd", sim, v.to(dtype)).to(q.dtype)

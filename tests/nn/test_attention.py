@@ -129,7 +129,12 @@ def test_module_feature_maps_are_trainable_submodules():
      ({"eps": -1.0}, ValueError, r"eps'\] must be a number >= 0"),
      ({"feature_map": 3}, TypeError, "feature_map'\\] must be one of"),
      ({"qk_dim": 0}, ValueError, "qk_dim"),
-     ({"qk_dim": 2.5}, TypeError, "qk_dim")],
+     ({"qk_dim": 2.5}, TypeError, "qk_dim"),
+     # signed features: the normaliser can vanish (outputs of 1e3 and more where elu gives 1)
+     ({"feature_map": "identity"}, ValueError, "identity' needs normalize=False"),
+     # the layer sets num_heads from per_head and n_head
+     ({"feature_map": "rebased", "feature_map_options": {"num_heads": 3}}, ValueError,
+      r"for 'rebased' has unknown keys \['num_heads'\]")],
 )
 def test_linear_bad_options(opts, err, match):
     with pytest.raises(err, match=match):

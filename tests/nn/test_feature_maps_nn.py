@@ -275,13 +275,55 @@ def test_performer_seed_redraw_and_state_dict():
     c = Performer(6, 10)
     torch.manual_seed(7)
     assert torch.equal(c.projection, Performer(6, 10).projection)  # seed=None follows torch's generator
-    # the features travel with the state_dict
-    assert set(a.state_dict()) == {"projection"}
-    fresh = Performer(6, 10, seed=99)
+    # the features travel with the state_dict, and with them the count of draws
+    assert set(a.state_dict()) == {"projection", "draws"} and int(a.draws) == 2
+    fresh = Performer(6, 10, seed=3)
     fresh.load_state_dict(a.state_dict())
     x = torch.randn(4, 6)
     assert torch.equal(fresh(x), a(x))
     assert list(a.parameters()) == []
+    # a reloaded module redraws what the uninterrupted one draws next, not an earlier draw again
+    a.redraw()
+    fresh.redraw()
+    assert torch.equal(fresh.projection, a.projection) and not torch.equal(fresh.projection, first)
+    # weights saved before draws were counted hold the first draw: they load, counted as one
+    old = Performer(6, 10, seed=3)
+    old.load_state_dict({"projection": first})
+    assert int(old.draws) == 1 and torch.equal(old.projection, first)
+
+
+def test_performer_draws_load_through_the_checked_gpt_loader():
+    """GPT weights saved before Performer counted its draws lack ``draws``: the checked loader accepts them."""
+    from lintrans.models import GPT, GPTConfig
+    from lintrans.models.hf import load_state_dict_checked
+
+    cfg = GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=8, attention="linear",
+                    attention_options={"feature_map": "performer", "feature_map_options": {"num_features": 4}})
+    src, dst = GPT(cfg), GPT(cfg)
+    state = {k: v for k, v in src.state_dict().items() if not k.endswith(".draws")}
+    load_state_dict_checked(dst, state)
+    assert torch.equal(dst.transformer.h[0].attn.phi_q.projection, src.transformer.h[0].attn.phi_q.projection)
+    with pytest.raises(ValueError, match="missing keys"):
+        load_state_dict_checked(dst, {k: v for k, v in state.items() if not k.endswith(".projection")})
+
+
+@pytest.mark.parametrize("build", ["performer", "taylor", "cosformer"])
+def test_float32_maps_stay_float32_under_autocast(build):
+    """Under a bf16 autocast step the maps that promise float32 keep it: autocast would turn their
+    products to bf16 (errors of 1e-2 where float32 gives 1e-7)."""
+    from lintrans.ops.cosformer import cosformer_attention
+    from lintrans.ops.taylor import taylor_attention
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 2, 8, generator=g)
+    fn = {"performer": Performer(8, 32, seed=0),
+          "taylor": lambda x: taylor_attention(x, x.flip(1), x),
+          "cosformer": lambda x: cosformer_attention(x.relu(), x.flip(1).relu(), x, causal=False)[0]}[build]
+    want = fn(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fn(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_performer_half_inputs_compute_in_float32():
@@ -390,3 +432,12 @@ def test_bad_input_raises():
         hedgehog_distillation_loss(torch.ones(3, 3), torch.ones(4, 4))
     with pytest.raises(ValueError, match="no learnable parameters"):
         distill_feature_maps(Performer(4, 4), [])
+    # the weights' einsums would broadcast a batch or head of one, or fail deep inside
+    q = torch.randn(2, 5, 3, 4)
+    for k, word in ((q[:1], "same shape"), (q[:, :, :1], "same shape"), (q[0], "q must have")):
+        with pytest.raises((ValueError, TypeError), match=word):
+            attention_weights(k if word == "q must have" else q, q if word == "q must have" else k, "elu")
+        with pytest.raises((ValueError, TypeError), match=word):
+            softmax_attention_weights(k if word == "q must have" else q, q if word == "q must have" else k)
+    with pytest.raises(TypeError, match="scale"):
+        softmax_attention_weights(q, q, scale="big")
