@@ -55,11 +55,11 @@ def profiles() -> dict[str, Profile]:
         "quick": Profile(
             ops_T=powers_of_two(256, 8192), train_T=powers_of_two(256, 8192), generate_T=powers_of_two(256, 8192),
             sizes=("4L-128",), forms=("chunked", "attention", "state_parallel"),
-            caps=Caps(time_s=8.0, repeats=3, budget_s=1.0),
+            caps=Caps(time_s=8.0, repeats=3, budget_s=1.0, min_repeats=2),
         ),
         "full": Profile(
             ops_T=powers_of_two(256, 65536), train_T=powers_of_two(256, 32768), generate_T=powers_of_two(256, 16384),
-            sizes=("4L-128", "6L-384", "12L-768"), forms=LINEAR_FORMS, caps=Caps(time_s=60.0, repeats=5, budget_s=10.0),
+            sizes=("4L-128", "6L-384", "12L-768"), forms=LINEAR_FORMS, caps=Caps(time_s=60.0, repeats=5, budget_s=10.0, min_repeats=3),
         ),
     }
 

@@ -178,13 +178,13 @@ def arithmetic_intensity(m: ModelShape, T: int, B: int = 1, dtype: str = "float3
     def matmul(rows, inner, cols):
         return 2 * rows * inner * cols / ((rows * inner + inner * cols + rows * cols) * b)
 
-    qkvo = 4 * B * T * N * h * b  # read q, k, v, write o
+    qkvo = 2 * B * T * (N + K) * h * b  # read q, k, v, write o: k and v at the K key/value heads (GQA)
     softmax = 4 * B * N * T * T * h / qkvo
     one_layer = ModelShape(**{**m.__dict__, "n_layer": 1, "attention": "linear", "form": "chunked"})
     qk = _mechanism(one_layer).option(one_layer, "qk_dim") or h  # q, k may have their own width
     n_chunks = math.ceil(T / m.chunk_size)
     chunk_state_io = 2 * B * N * n_chunks * m.F * (h + 1) * 4
-    linear = attention_core_flops(one_layer, T, B) / (2 * B * T * N * (qk + h) * b + chunk_state_io)
+    linear = attention_core_flops(one_layer, T, B) / (B * T * (N + K) * (qk + h) * b + chunk_state_io)
     # one decode step: the KV cache is read whole for 4 N T h FLOPs; the state is read and written
     kv_decode = 4 * B * N * T * h / (2 * B * K * T * h * b)
     state_decode = 4 * B * N * m.F * (h + 1) / (2 * B * N * m.F * (h + 1) * 4)

@@ -46,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                          "head dim], one per --T: prints its share of the matmul probe")
     op.add_argument("--measure-op", action="store_true",
                     help="time that op here (fastest of --op-repeats) and the matmul probe beside it")
-    p.add_argument("--op-repeats", type=int, default=5, help="timed repeats of the op with --measure-op")
+    p.add_argument("--op-repeats", type=int, default=None, help="timed repeats of the op with --measure-op (default 5)")
     p.add_argument("--probe-gflops", type=float, default=None,
                    help="the matmul probe's GFLOP/s (1024-square float32, as `lintrans bench` records it) "
                         "to divide by, instead of measuring it in this run")
@@ -76,8 +76,9 @@ def _check(args) -> None:
     for flag in shape:
         if getattr(args, flag) is None:
             setattr(args, flag, getattr(size, flag))
-    for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size", "op_repeats"):
+    for flag in ("n_layer", "n_head", "n_embd", "vocab", "block_size", "batch", "chunk_size"):
         check_positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    check_positive_int("--op-repeats", args.op_repeats, allow_none=True)
     if args.n_embd % args.n_head:
         raise ValueError(f"--n-embd ({args.n_embd}) must be divisible by --n-head ({args.n_head})")
     check_positive_int("--n-kv-head", args.n_kv_head, allow_none=True)
@@ -100,12 +101,24 @@ def _check(args) -> None:
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    # flags that only feed another one's report: refused without it, not silently unused
+    needs = (("peak_tflops", ("step_time", "linear_step_time")), ("probe_gflops", ("op_time", "measure_op")),
+             ("op_repeats", ("measure_op",)))
+    for flag, users in needs:
+        if getattr(args, flag) is not None and not any(getattr(args, u) for u in users):
+            names = " or ".join(f"--{u.replace('_', '-')}" for u in users)
+            raise ValueError(f"--{flag.replace('_', '-')} is used only with {names}, which is not given")
+    if args.op_repeats is None:
+        args.op_repeats = 5
 
 
 def run(args) -> int:
     try:
         _check(args)
-        F = feature_dim_of(args.feature_map, args.n_embd // args.n_head)
+        try:
+            F = feature_dim_of(args.feature_map, args.n_embd // args.n_head)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"--feature-map: {e}") from None
     except (ValueError, TypeError) as e:
         print(f"lintrans cost: {e}", file=sys.stderr)
         return 2

@@ -287,8 +287,11 @@ def _time_and_size(live: list, caps: Caps, device: str, done: Optional[dict] = N
     that rose further than a step can from its series' earlier ones (``done``) was disturbed: the
     whole group is timed once more, in turn, and each point keeps its fastest repeat of both."""
     least = caps.min_repeats if len(live) > 1 else 1
-    reps = {id(p): max(1, min(caps.repeats, max(least, int(caps.budget_s / max(first, 1e-9)))))
-            for _, p, _, first in live}
+    # one count for the whole group, from its slowest warm-up: the fastest of 3 against the fastest of 1
+    # would tilt a ratio towards the series with more chances of a quiet moment
+    slowest = max((first for *_, first in live), default=0.0)
+    count = max(1, min(caps.repeats, max(least, int(caps.budget_s / max(slowest, 1e-9)))))
+    reps = {id(p): count for _, p, _, _ in live}
     for attempt in range(1 + caps.retimes):
         for r in range(max(reps.values(), default=0)):
             for _, point, step, _ in live:

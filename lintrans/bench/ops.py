@@ -58,7 +58,9 @@ def gate_logits(q: torch.Tensor) -> torch.Tensor:
         g = torch.Generator().manual_seed(1)
         x = torch.randn(2, *q.shape[:3], generator=g).to(q.device, q.dtype)
         _GATE_LOGITS[key] = x.requires_grad_(q.requires_grad)
-    return _GATE_LOGITS[key]
+    x = _GATE_LOGITS[key]
+    x.grad = None  # each step's backward writes a fresh gradient, as for q, k, v: none added into the last
+    return x
 
 
 def _gated(chunk: int, feature_map: str, backend: str = "torch") -> Callable:

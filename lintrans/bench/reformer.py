@@ -7,8 +7,10 @@ of hash rounds grows, and training memory against depth with and without reversi
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +66,9 @@ def lsh_error(T: int = 1024, H: int = 4, D: int = 64, chunk_size: int = 64, n_bu
     return rows
 
 
+MEMORY_VOCAB = 512  # the memory GPTs' vocabulary: small, so that the blocks dominate the peak
+
+
 def reversible_memory(device: str, layers=(2, 4, 8, 16), attentions=("softmax", "reformer"), T: int = 1024,
                       B: int = 1, n_embd: int = 128, n_head: int = 4) -> list[dict]:
     """Peak memory and time of one training step (forward + backward) of a GPT against depth,
@@ -77,11 +82,11 @@ def reversible_memory(device: str, layers=(2, 4, 8, 16), attentions=("softmax", 
     for attention in attentions:
         for n_layer in layers:
             for rev in (False, True):
-                cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T, vocab_size=512,
+                cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T, vocab_size=MEMORY_VOCAB,
                                 attention=attention, reversible=rev, dropout=0.0)
                 torch.manual_seed(0)
                 model = GPT(cfg).to(device)
-                idx = torch.randint(0, 512, (B, T), device=device)
+                idx = torch.randint(0, MEMORY_VOCAB, (B, T), device=device)
 
                 def step():  # gradient buffers kept: the peak is activations, not new parameter-sized buffers
                     model.zero_grad(set_to_none=False)
@@ -114,13 +119,23 @@ def main(argv=None) -> None:
 
     from lintrans._io import atomic_write_text, writable_folder
 
+    from lintrans.device import resolve_device
+
     try:  # before the work
+        device = str(resolve_device(args.device, what="--device"))
         out = writable_folder(args.out, "--out")
     except ValueError as e:
         raise SystemExit(str(e))
-    rows = lsh_error() if args.what == "error" else reversible_memory(args.device)
-    record = {"benchmark": f"reformer {args.what}", "date": time.strftime("%Y-%m-%d"),
-              "machine": machine_info(args.device), "rows": rows}
+    fn = lsh_error if args.what == "error" else reversible_memory
+    rows = fn() if args.what == "error" else fn(device)
+    # the settings the rows were made with (the function's defaults), so the record reproduces itself
+    settings = {k: (list(p.default) if isinstance(p.default, tuple) else p.default)
+                for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+    if fn is reversible_memory:
+        settings["device"], settings["vocab_size"] = device, MEMORY_VOCAB
+    command = " ".join(["python -m lintrans.bench.reformer", *(sys.argv[1:] if argv is None else argv)])
+    record = {"benchmark": f"reformer {args.what}", "date": time.strftime("%Y-%m-%d"), "command": command,
+              "settings": settings, "machine": machine_info(device), "rows": rows}
     atomic_write_text(out / f"{args.what}.json", json.dumps(record, indent=1))
     print(f"wrote {out / (args.what + '.json')}")
 

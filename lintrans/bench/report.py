@@ -55,7 +55,11 @@ def speedup(rows: list[dict], fast: str, slow: str) -> dict:
         from_T = T
     fast_Ts = [T for (s, T) in t if s == fast]
     slow_end = next((r for r in rows if r["series"] == slow and r["status"] != "ok"), None)
+    # rows timed one series after another (models too large to hold together) say so: their ratio
+    # is not a side-by-side one
+    interleaved = all(r.get("interleaved", True) for r in rows if r["series"] in (fast, slow))
     return {
+        "interleaved": interleaved,
         "fast": fast, "slow": slow, "ratios": ratios, "faster_from_T": from_T,
         "longest_common_T": both[-1] if both else None, "speedup_at_longest": ratios[both[-1]] if both else None,
         "fast_longest_T": max(fast_Ts) if fast_Ts else None,
@@ -76,6 +80,8 @@ def headline(s: dict, what: str = "trains") -> str:
     else:
         parts.append(f"{s['fast']} is slower than {s['slow']} at the longest common context")
     parts.append(f"{s['speedup_at_longest']:.2f}x at T = {s['longest_common_T']} (longest measured for both)")
+    if s.get("interleaved") is False:
+        parts.append("timed one after another, not side by side (the models do not fit in memory together)")
     if s["slow_stopped"]:
         T, why = s["slow_stopped"]
         parts.append(f"{s['slow']} stopped at T = {T} ({why}); {s['fast']} reached T = {s['fast_longest_T']}")

@@ -76,6 +76,7 @@ def run_train(Ts: list[int], caps: Caps, *, sizes=("4L-128",), forms=LINEAR_FORM
         together = _fits_together(model, len(series), max(Ts), caps)
         for p in sweep_side_by_side(series, Ts, caps, device=device, together=together, on_point=on_point):
             p.extra.setdefault("size", size)
+            p.extra.setdefault("interleaved", together)  # False: series timed one after another
             points.append(p)
     return points
 

@@ -50,7 +50,9 @@ class SlidingWindowAttention(QKVAttention):
 
     @classmethod
     def core_flops(cls, shape, T: int, B: int = 1) -> float:
-        w = min(cls.option(shape, "window"), T)  # keys per query (global tokens left out)
+        # keys per query (global tokens left out): the band's FLOPs; the blocked paths score more
+        # (docs/benchmarks.md, "Where a kernel does more")
+        w = min(cls.option(shape, "window"), T)
         return 4.0 * B * shape.n_head * T * w * shape.head_dim
 
     @classmethod

@@ -366,6 +366,11 @@ def test_cost_op_share_counts_the_short_last_chunk(capsys):
     (["cost", "--T", "64", "--op-time", "-1"], "--op-time must be positive"),
     (["cost", "--T", "64", "--op-time", "1", "--probe-gflops", "0"], "--probe-gflops must be positive"),
     (["cost", "--T", "64", "--measure-op", "--op-repeats", "0"], "--op-repeats must be an int >= 1"),
+    # flags that feed another flag's report, given without it: refused, not silently unused
+    (["cost", "--T", "64", "--probe-gflops", "5"], "--probe-gflops is used only with --op-time or --measure-op"),
+    (["cost", "--T", "64", "--op-repeats", "3"], "--op-repeats is used only with --measure-op"),
+    (["cost", "--T", "64", "--peak-tflops", "1"], "--peak-tflops is used only with --step-time or --linear-step-time"),
+    (["cost", "--T", "64", "--feature-map", "bogus"], "lintrans cost: --feature-map: "),
 ])
 def test_bad_op_share_arguments(argv, message, capsys):
     assert main(argv) == 2

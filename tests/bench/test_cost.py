@@ -161,7 +161,7 @@ def test_cost_model_and_config_load_without_torch():
 
 
 @pytest.mark.parametrize("attention", ["linear", "retention", "gated-linear"])
-@pytest.mark.parametrize("options", [{}, {"normalize": True}, {"normalize": False}, {"qk_dim": 6},
+@pytest.mark.parametrize("options", [{}, {"feature_map": "elu", "normalize": True}, {"normalize": False}, {"qk_dim": 6},
                                      {"feature_map": "based", "qk_dim": 4}, {"feature_map": "relu", "normalize": True}])
 def test_linear_family_cache_is_what_the_layer_keeps(attention, options):
     """The cost model's cache size equals the bytes of the generation cache a model actually keeps
@@ -206,6 +206,20 @@ def test_banded_aft_flops_follow_the_op():
     short, long = attention_core_flops(shape, 256), attention_core_flops(shape, 65536)
     assert short == 4.0 * 256 * 256 * 128  # the bias matrix is smaller: T^2
     assert long == 4.0 * 65536 * 32 * 128  # the band: linear in T
+
+
+def test_intensity_reads_keys_and_values_at_the_kv_heads():
+    """Grouped-query attention: k and v are read at n_kv_head heads, q and o at n_head (the seed's
+    4BHK(TG + S) bytes with G = N / K): fewer bytes, a higher intensity than full multi-head."""
+    mha = ModelShape(n_layer=1, n_head=12, n_embd=768)
+    gqa = ModelShape(n_layer=1, n_head=12, n_embd=768, n_kv_head=1)
+    T, h, N, K = 4096, 64, 12, 1
+    want = 4 * N * T * T * h / (2 * T * (N + K) * h * 4)
+    assert arithmetic_intensity(gqa, T)["softmax attention (flash)"] == pytest.approx(want)
+    assert arithmetic_intensity(mha, T)["softmax attention (flash)"] == pytest.approx(T / 4)
+    lin_mha, lin_gqa = (ModelShape(**{**m.__dict__, "attention": "linear"}) for m in (mha, gqa))
+    assert (arithmetic_intensity(lin_gqa, T)["linear attention (chunked)"]
+            > arithmetic_intensity(lin_mha, T)["linear attention (chunked)"])
 
 
 def test_intensity_counts_the_qk_width():

@@ -39,3 +39,19 @@ def test_forward_only_step_records_no_graph():
     make_op_step(op, 5, H=1, D=2, backward=False)()
     make_op_step(op, 5, H=1, D=2)()
     assert seen == [(False, False), (True, True)]
+
+
+@pytest.mark.parametrize("name", [GATED_DELTA_OP, "linear chunked gated"])
+def test_gate_gradients_do_not_pile_up_over_timed_steps(name):
+    """The gate logits are leaves shared by the gated series: each step's backward leaves its own
+    gradient in them, not the sum over the steps timed before (more work per step than a layer's)."""
+    from lintrans.bench import ops as bench_ops
+
+    series = {**delta_ops(), **bench_ops.op_series(64, "elu")}
+    step = make_op_step(series[name], 40, H=2, D=8)
+    step()
+    (leaf,) = [x for key, x in bench_ops._GATE_LOGITS.items() if key[0] == (1, 40, 2) and x.requires_grad]
+    once = leaf.grad.clone()
+    step()
+    step()
+    torch.testing.assert_close(leaf.grad, once)

@@ -157,6 +157,23 @@ def test_min_repeats_gives_every_side_by_side_series_two_rounds(fake_clock, monk
     assert [c[0] for c in calls] == ["a", "b", "a", "b"]  # `repeats` stays the upper bound
 
 
+def test_series_timed_side_by_side_get_equal_repeats(fake_clock, monkeypatch):
+    """A 0.6 s step beside a 0.1 s one: the budget of 1 s buys the slow one a single repeat, and the fast
+    one gets no more (the fastest of 3 against the fastest of 1 would tilt the ratio)."""
+    from lintrans.bench.measure import Series, sweep_side_by_side
+
+    calls = []
+    monkeypatch.setattr(measure, "peak_memory", lambda fn, device="cpu": None)
+
+    def make(name, cost):
+        return lambda T: (lambda: calls.append(name) or fake_clock.__setitem__(0, fake_clock[0] + cost))
+
+    pts = sweep_side_by_side([Series("slow", make("slow", 0.6)), Series("fast", make("fast", 0.1))], [256],
+                             Caps(time_s=10.0, repeats=3, budget_s=1.0))
+    assert calls.count("slow") == calls.count("fast") == 2  # warm-up and one repeat each
+    assert [len(p.times_s) for p in pts] == [1, 1]
+
+
 def test_one_at_a_time_when_the_steps_do_not_fit_together(fake_clock, monkeypatch):
     from lintrans.bench.measure import Series, sweep_side_by_side
 
@@ -187,6 +204,25 @@ def test_run_train_bounds_the_floor_by_softmax(monkeypatch):
     from lintrans.bench.sizes import model_size
 
     assert train._fits_together(model_size("12L-768"), 8, 16384, Caps(memory_bytes=12 * 2 ** 30)) is False  # 8 GPT-2s
+
+
+def test_train_rows_and_headline_say_when_series_were_timed_in_turn(monkeypatch):
+    """Models too large to hold together are timed one series after another: their rows and the
+    headline's ratio say so."""
+    import lintrans.bench.train as train
+    from lintrans.bench.measure import Caps, Point
+    from lintrans.bench.report import headline, speedup
+
+    def fake_sweep(series, Ts, caps, **kw):
+        return [Point(s.name, T, time_s=(2.0 if "softmax" in s.name else 1.0)) for s in series for T in Ts]
+
+    monkeypatch.setattr(train, "sweep_side_by_side", fake_sweep)
+    for fits in (True, False):
+        monkeypatch.setattr(train, "_fits_together", lambda *a, fits=fits: fits)
+        rows = [p.row() for p in train.run_train([256], Caps(), sizes=("4L-128",), forms=("chunked",))]
+        assert {r["interleaved"] for r in rows} == {fits}
+        line = headline(speedup(rows, "4L-128 linear chunked", "4L-128 softmax (SDPA)"))
+        assert ("one after another" in line) is (not fits) and "2.00x" in line
 
 
 @pytest.mark.parametrize("floor_s, fast_s", [(2.5, 1.0), (0.5, 0.4)])  # floor behind softmax; fast ahead of floor
