@@ -514,7 +514,9 @@ def find_in_hf_cache(name: str) -> tuple[Optional[Path], list[Path]]:
 def trained_tokenizer(name_or_path) -> Optional[str]:
     """The tokenizer weights were trained with, where their folder says so: a lintrans checkpoint's
     config.json names it; a Hugging Face GPT-2 config (model_type gpt2, 50257 tokens or more) is
-    GPT-2's. None where it is not known (a nanoGPT file, another model type, no such path)."""
+    GPT-2's, and so is a nanoGPT ``ckpt.pt`` with 50257 tokens or more (nanoGPT's own rule: GPT-2's
+    encoding unless its data folder has a ``meta.pkl``, whose character vocabularies are far smaller).
+    None where it is not known (a smaller nanoGPT vocabulary, another model type, no such path)."""
     from lintrans.tokenizer import TOKENIZERS
 
     if not name_or_path:
@@ -531,6 +533,10 @@ def trained_tokenizer(name_or_path) -> Optional[str]:
             if path is None:
                 return None
     config = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not config.is_file() and (path / "ckpt.pt").is_file():
+        config = path / "ckpt.pt"  # load_model's nanoGPT folder
+    if config.suffix in (".pt", ".pth", ".ckpt") and config.is_file():
+        return _nanogpt_tokenizer(config)
     if config.name != "config.json" or not config.is_file():
         return None
     try:
@@ -545,6 +551,17 @@ def trained_tokenizer(name_or_path) -> Optional[str]:
     if _lintrans_config(d) is None and d.get("model_type", "gpt2") == "gpt2" and isinstance(vocab, int) and vocab >= 50257:
         return "gpt2"  # what load_model reads as a Hugging Face GPT-2
     return None
+
+
+def _nanogpt_tokenizer(path: Path) -> Optional[str]:
+    """"gpt2" for a nanoGPT checkpoint of 50257 tokens or more (its model_args read through a memory
+    map: the weights are not read), else None."""
+    try:
+        args = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True).get("model_args")
+    except Exception:  # not a zip checkpoint, not a dict, refused: unknown, and load_model says why
+        return None
+    vocab = args.get("vocab_size") if isinstance(args, dict) else None
+    return "gpt2" if isinstance(vocab, int) and vocab >= 50257 else None
 
 
 def from_pretrained(name_or_path: str = "gpt2", **overrides) -> GPT:

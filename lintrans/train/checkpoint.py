@@ -123,10 +123,18 @@ def load_optimizer(path, optimizer, load=None) -> None:
     path = Path(path)
     opt_tensors = _load_tensors(path, "optimizer.safetensors")
     meta = read_checkpoint(path)["trainer_state"]["optimizer"]
+    # how this optimizer runs on this device (fused or foreach kernels), chosen when it was built: a state
+    # saved on another device would otherwise bring its own choice (a CPU save runs unfused on CUDA)
+    how = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
     try:
         (load or optimizer.load_state_dict)(_optimizer_from_flat(opt_tensors, meta))
     except (ValueError, KeyError) as e:
         raise ValueError(f"optimizer state in checkpoint {path} does not match this model: {e}") from None
+    for group, kept in zip(optimizer.param_groups, how):
+        group.update(kept)
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _load_tensors(path: Path, name: str) -> dict:

@@ -29,7 +29,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from lintrans._io import FileLock
+from lintrans._io import FileLock, atomic_write_text
 from lintrans._platform import cache_dir
 from lintrans.checks import check_choice, check_number
 
@@ -274,7 +274,13 @@ def prepare_data(
     entry = folder / key
     if not (entry / "meta.json").is_file():
         _tokenize_to_cache(source, tokenizer, dtype, entry, progress)
-    meta = json.loads((entry / "meta.json").read_text())
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as e:  # renamed whole: only a crash before the disk had it, or a hand, did this
+        raise ValueError(f"the token cache entry {entry} is damaged (meta.json unreadable: {e}): delete that folder "
+                         "and run again to tokenise anew") from None
     size = (entry / "tokens.bin").stat().st_size if (entry / "tokens.bin").is_file() else None
     if size != meta.get("tokens", -1) * dtype.itemsize:  # written whole and renamed: only a disk or a hand did this
         held = "no tokens.bin" if size is None else f"tokens.bin holds {size} bytes"
@@ -319,7 +325,8 @@ def _tokenize_to_cache(source: TextSource, tokenizer, dtype: np.dtype, entry: Pa
             raise ValueError(f"data.source {source.spec!r} holds no text")
         meta = {"source": source.spec, "tokenizer": tokenizer.name, "dtype": dtype.name,
                 "documents": n_docs, "tokens": n_tokens}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        # on disk (and the folder's entry for it) before the rename, as tokens.bin
+        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
         try:
             os.replace(tmp, entry)
         except OSError:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -288,12 +289,32 @@ def _initial_model(cfg: TrainConfig, tokenizer, say):
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"train.init_from {cfg.train.init_from} has {model.config.vocab_size} tokens, fewer than "
                          f"the {tokenizer.name} tokenizer's {tokenizer.vocab_size}: set data.tokenizer to its own")
+    if theirs is None and model.config.vocab_size >= 2 * tokenizer.vocab_size + 64:
+        # far more rows than the tokenizer has ids (beyond the padding to a multiple of 64): weights
+        # whose own tokenizer is unknown, likely another one's
+        say(f"train.init_from {cfg.train.init_from} has {model.config.vocab_size} token rows, the {tokenizer.name} "
+            f"tokenizer uses {tokenizer.vocab_size}: if the weights were trained with another tokenizer, set "
+            "data.tokenizer to it")
     swap = f" (they were trained with {trained_with} attention: this run fine-tunes them for it)" if trained_with else ""
     say(f"initial weights from {cfg.train.init_from}, run with {model.config.attention} attention{swap}")
     return model
 
 
 LOCK_NAME = ".lock"  # in a run's folder while a run trains there
+
+
+def _uncreatable(path: Path) -> Optional[str]:
+    """Why folder ``path`` could not be made (or written in, if it exists), without making it; None if it can."""
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -377,6 +398,12 @@ class _Run:
         if (self.out_dir / "trainer_state.json").is_file():  # a run's checkpoint given for the run
             raise ValueError(f"train.out_dir {self.out_dir} is a checkpoint, not a run's folder; set "
                              f"train.out_dir={self.out_dir.parent} to continue the run it belongs to")
+        # what would fail only after the data is tokenised (hours on a large corpus): fails now. The folder
+        # itself is made later (open_logs), so that a run stopped before it leaves none behind
+        self.precision = resolve_precision(cfg.train.precision, info.device)
+        problem = gather_objects(info, _uncreatable(self.out_dir) if info.is_main else None)[0]
+        if problem is not None:
+            raise ValueError(f"train.out_dir {str(self.out_dir)!r} cannot be created: {problem}")
         self.lock()  # before anything in the folder is read or removed
         if info.is_main:
             for path in ckpt.remove_abandoned(self.out_dir):
@@ -480,7 +507,6 @@ class _Run:
                              "goes on as it began")
         torch.manual_seed(cfg.train.seed + info.rank)  # per-process dropout streams
         self.sampler = WindowSampler(len(self.data.train), self.block, cfg.train.seed)
-        self.precision = resolve_precision(cfg.train.precision, info.device)
         if self.precision == "bf16" and info.device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             self.say("warning: train.precision=bf16 on a CPU without native bf16 (no AVX-512 BF16 / AMX): PyTorch's "
                      "bf16 matrix products run emulated here, many times slower than fp32 (a 1-layer linear GPT "

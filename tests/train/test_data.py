@@ -141,6 +141,10 @@ def test_a_damaged_cache_entry_is_named(tmp_path):
         t.truncate(5)  # odd: not a whole number of uint16 tokens
     with pytest.raises(ValueError, match=r"token cache entry .* is damaged .*delete that folder"):
         prepare(str(f), tmp_path / "c")
+    for meta in ("", "[1, 2]"):  # a meta.json a crash left empty, or one that is not an object
+        (entry / "meta.json").write_text(meta)
+        with pytest.raises(ValueError, match=r"token cache entry .* is damaged \(meta.json unreadable.*delete that folder"):
+            prepare(str(f), tmp_path / "c")
 
 
 def test_the_data_line_names_this_runs_spec(tmp_path):

@@ -39,6 +39,20 @@ def test_trained_tokenizer_reads_what_a_folder_says(tmp_path):
     assert trained_tokenizer(tmp_path / "missing") is None and trained_tokenizer(None) is None
 
 
+def test_trained_tokenizer_reads_a_nanogpt_checkpoints_vocabulary(tmp_path):
+    """nanoGPT's rule: GPT-2's encoding unless the data folder has a character meta.pkl, so a
+    checkpoint of 50257 tokens or more (50304 padded) is GPT-2's; a character one is unknown."""
+    def ckpt(path, vocab):
+        torch.save({"model": {}, "model_args": {"vocab_size": vocab, "n_layer": 1}}, path)
+        return path
+
+    assert trained_tokenizer(ckpt(tmp_path / "ckpt.pt", 50304)) == "gpt2"
+    assert trained_tokenizer(tmp_path) == "gpt2"  # a folder holding ckpt.pt, as load_model reads it
+    assert trained_tokenizer(ckpt(tmp_path / "chars.pt", 65)) is None
+    (tmp_path / "damaged.pt").write_bytes(b"not a checkpoint")
+    assert trained_tokenizer(tmp_path / "damaged.pt") is None
+
+
 def _train_args(init_from, out):
     return ["train", "--train.init_from", str(init_from), "--train.max_steps", "1", "--train.batch_size", "2",
             "--train.eval_batches", "1", "--train.progress", "false", "--train.out_dir", str(out)]

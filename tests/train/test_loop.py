@@ -466,6 +466,24 @@ def test_folders_that_cannot_be_created_name_their_key(tiny_config, tmp_path):
         train(tiny_config(**{"data.cache_dir": str(tmp_path / "file" / "cache")}))
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"train.out_dir": "FILE/run"}, "^train.out_dir .* cannot be created: .* is not a directory"),
+    ({"train.device": "auto", "train.precision": "fp16"}, "fp16"),
+])
+def test_settings_that_cannot_work_fail_before_the_data_is_read(tiny_config, tmp_path, monkeypatch, setting, message):
+    """Tokenising a large corpus takes hours: an out_dir that cannot be made, or fp16 on a CPU reached
+    through train.device=auto, fails before it, and the out_dir is not made."""
+    import lintrans.train.loop as loop
+
+    if setting.get("train.precision") == "fp16" and torch.cuda.is_available():
+        pytest.skip("fp16 is allowed on CUDA")
+    (tmp_path / "FILE").write_text("x")
+    setting = {k: v.replace("FILE", str(tmp_path / "FILE")) for k, v in setting.items()}
+    monkeypatch.setattr(loop._Run, "load_data", lambda self: pytest.fail("read the data first"))
+    with pytest.raises(ValueError, match=message):
+        train(tiny_config(**setting))
+
+
 def test_resume_drops_train_log_lines_after_the_checkpoint(tiny_config):
     """A run killed after an evaluation it had not checkpointed trains those steps again: their old
     train.log lines go, as their metrics rows do, so each evaluation has one line."""
@@ -598,3 +616,24 @@ def test_resume_with_another_batch_says_the_validation_windows_change(tiny_confi
     train(tiny_config(**{"train.batch_size": 8}))
     err = capsys.readouterr().err
     assert "train.batch_size changed from 4" in err and "on is measured on other validation windows" in err
+
+
+def test_resume_keeps_this_devices_optimizer_implementation(tmp_path):
+    """A checkpoint saved where AdamW ran fused (CUDA) keeps its hyper-parameters on resume, not its choice of
+    kernels: the optimizer runs as it was built for this device."""
+    from lintrans.models import GPT, GPTConfig
+    from lintrans.train import checkpoint as ckpt
+
+    model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
+    built = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elsewhere = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    elsewhere.step()
+    for g in elsewhere.param_groups:
+        g["fused"], g["foreach"] = True, False  # as a CUDA save writes them
+    state = {"step": 1, "tokens": 0, "sampler": {}, "rng": ckpt.rng_state()}
+    path = ckpt.save_checkpoint(tmp_path, model, elsewhere, state, {}, {})
+    before = [(g["fused"], g["foreach"]) for g in built.param_groups]
+    ckpt.load_optimizer(path, built)
+    assert [(g["fused"], g["foreach"]) for g in built.param_groups] == before
+    assert built.state_dict()["state"][0]["step"] == 1  # the state itself did load
