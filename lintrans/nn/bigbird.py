@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from lintrans.ops.bigbird import bigbird_attention, bigbird_blocked_row, bigbird_mask
+from lintrans.ops.validation import autocast_off
 
 from .attention import KVCache, QKVAttention, check_options, options_checked_by_op
 from .registry import register_attention
@@ -60,8 +61,9 @@ class BigBirdAttention(QKVAttention):
             blocked = ~bigbird_mask(past + T, start=past, causal=True, **self.pattern).to(x.device)  # [T,past+T]
         scale = 1.0 / math.sqrt(self.head_dim) if self.opts["scale"] is None else float(self.opts["scale"])
         acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least, float64 for float64 models
-        s = (q.transpose(1, 2) @ keys.transpose(-1, -2)).to(acc) * scale  # [B,H,T,L]
-        o = s.masked_fill(blocked, float("-inf")).softmax(-1).to(values.dtype) @ values  # [B,H,T,D]
+        with autocast_off(x.device):  # in acc throughout, as the op computes the forward
+            s = (q.transpose(1, 2).to(acc) @ keys.to(acc).transpose(-1, -2)) * scale  # [B,H,T,L]
+            o = (s.masked_fill(blocked, float("-inf")).softmax(-1) @ values.to(acc)).to(values.dtype)  # [B,H,T,D]
         return self.out(o.transpose(1, 2)), (cache if use_cache else None)
 
     # the cost model: per query block, its window, global and random blocks

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .native import aft as native_aft
 from .scan import decayed_scan
-from .validation import can_write_in_place, check_bool, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
+from .validation import autocast_off, can_write_in_place, check_bool, check_choice, check_positive_int, check_qkv, check_tensor, compute_dtype, reads_values
 
 VARIANTS = ("full", "simple", "local", "conv")
 # state of the causal simple recurrence: (num [B,H,D], den [B,H,D], running max m [B,H,D])
@@ -127,12 +127,42 @@ def position_bias(variant: str, pos_bias, window, T: int, causal: bool, *, rows:
 
 
 def _aft_dense(k, v, logw):
-    """Non-causal weighted mean, one matmul. k, v: [B,H,T,D]; logw: [Hw,T,T] -> [B,H,T,D]."""
+    """Weighted mean, one matmul (causal where logw holds -inf above the diagonal). k, v: [B,H,T,D];
+    logw: [Hw,T,T] -> [B,H,T,D]. Keys and biases take separate references (their maxima); a row whose
+    every term fell below the range of floats that way (a large key under a very negative bias, beside
+    large biases on small keys) is computed again with its own reference (``_divide_or_redo``)."""
     ek = torch.exp(k - k.amax(dim=2, keepdim=True).detach())  # [B,H,T,D] max term is exactly 1
     E = torch.exp(logw - logw.amax(dim=-1, keepdim=True).detach())  # [Hw,T,T]
     nd = E @ torch.cat([ek * v, ek], dim=-1)  # [B,H,T,2D]
     D = v.shape[-1]
-    return nd[..., :D] / nd[..., D:]
+    return _divide_or_redo(nd[..., :D], nd[..., D:], k, v, logw)
+
+
+def _divide_or_redo(num, den, k, v, logw):
+    """num / den [B,H,T,D], with the rows whose den fell under sqrt(tiny) (their terms, taken against
+    shared references, underflowed: 0/0, or too few digits) computed again by ``_exact_rows``. One host
+    read where values are read (the CPU); on an accelerator the division alone."""
+    if not reads_values(k.device) or den.numel() == 0:
+        return num / den
+    small = den.detach() < torch.finfo(den.dtype).tiny ** 0.5  # [B,H,T,D]
+    rows = small.flatten(end_dim=1).any(0).any(-1).nonzero().squeeze(1)  # [R] query positions
+    if rows.numel() == 0:
+        return num / den
+    # those rows' quotients replaced: a den of 1 there keeps their (unused) gradient finite, not 0 * inf
+    out = num / den.masked_fill(small, 1.0)
+    return out.index_copy(2, rows, _exact_rows(k, v, logw, rows))
+
+
+def _exact_rows(k, v, logw, rows):
+    """Rows ``rows`` [R] of the weighted mean, each against its own reference max_j (w_tj + k_j) per
+    channel: exact for any keys and biases, O(R T D) memory per head. logw [Hw,T,T] holds -inf where a
+    key is masked (causal); k, v [B,H,T,D] -> [B,H,R,D]."""
+    out = []
+    for part in rows.split(CHUNK):
+        s = logw[:, part, :, None] + k[:, :, None]  # [B,H,R,T,D] (Hw broadcasts over H)
+        e = torch.exp(s - _finite(s.detach().amax(3, keepdim=True)))
+        out.append((e * v[:, :, None]).sum(3) / e.sum(3))
+    return torch.cat(out, dim=2)
 
 
 def _aft_causal(k, v, logw):
@@ -160,14 +190,15 @@ def _aft_causal_chunked(k, v, logw):
 
     Row t uses m_t = max_{j<=t} k_j as reference: keys before the chunk enter through one matmul with
     the reference at the chunk start (rescaled per row by exp(m_start - m_t) <= 1), keys inside the
-    chunk through an exact [C, C, D] block. Every exponent is <= 0 and the row's max term is exp(0).
+    chunk through an exact [C, C, D] block. Every exponent is <= 0; the largest key and the largest
+    bias of a row need not be one term's, so a row can still underflow whole: ``_divide_or_redo``.
     """
     B, H, T, D = k.shape
     causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
     mw = logw.masked_fill(~causal, float("-inf")).amax(dim=-1, keepdim=True).detach()
     E = torch.exp((logw - mw).masked_fill(~causal, float("-inf")))  # [Hw,T,T], 0 above the diagonal
     m = torch.cummax(k.detach(), dim=2).values  # [B,H,T,D] prefix max
-    outs = []
+    nums, dens = [], []
     # split once: slicing E per chunk would make autograd build a full [Hw,T,T] gradient per chunk
     for E_rows, s in zip(E.split(CHUNK, dim=1), range(0, T, CHUNK)):  # E_rows: [Hw,C,T]
         e = min(s + CHUNK, T)
@@ -184,8 +215,10 @@ def _aft_causal_chunked(k, v, logw):
             rescale = torch.exp(ref - m[:, :, s:e])  # [B,H,C,D] <= 1
             num = num + rescale * nd[..., :D]
             den = den + rescale * nd[..., D:]
-        outs.append(num / den)
-    return torch.cat(outs, dim=2)
+        nums.append(num)
+        dens.append(den)
+    return _divide_or_redo(torch.cat(nums, dim=2), torch.cat(dens, dim=2), k, v,
+                           logw.masked_fill(~causal, float("-inf")))
 
 
 def _finite(ref):
@@ -430,35 +463,38 @@ def aft(
     if variant == "conv" and not causal and pos_bias.shape[-1] % 2 == 0:
         raise ValueError(f"a non-causal conv kernel must have odd width, got pos_bias {tuple(pos_bias.shape)}")
     dtype = compute_dtype(q.dtype)
-    if variant == "simple" and causal:
-        q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T, H*D contiguous
-        if native_aft.supports(q32, k32, v32):  # the CPU: one fused pass, exact for any keys
-            if torch.is_grad_enabled() and any(x.requires_grad for x in (q32, k32, v32)):
-                return _NativeSimpleCausal.apply(q32, k32, v32).to(q.dtype)
-            return native_aft.forward(q32, k32, v32, save=False)[0].to(q.dtype)
-        if not reads_values(k.device):  # an accelerator: no path chosen from values (a host sync)
-            mean = _aft_simple_causal_log(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
-        elif (M := _simple_reference(k32)) is not None:  # keys of ordinary size: two cumsums
-            return _SimpleCausal.apply(q32, k32, v32, M).to(q.dtype)
-        else:  # a huge key late in the sequence: chunks with their own references
-            mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
-        return (torch.sigmoid(q32) * mean).to(q.dtype)
-    kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
-    if variant == "simple":  # not causal: one softmax over all keys
-        mean = (torch.softmax(kh, dim=2) * vh).sum(2, keepdim=True).expand_as(vh)
-    elif variant == "full":
-        logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]
-        mean = _aft_causal(kh, vh, logw) if causal else _aft_dense(kh, vh, logw)
-    else:  # local, conv: whichever of the band [B,H,T,W,D] and the bias matrix [Hw,T,T] is smaller
-        band_w, back, fwd = band_bias(variant, pos_bias.to(dtype), window, T, causal)
-        Hw = pos_bias.shape[0] if pos_bias.dim() == 3 or variant == "conv" else 1
-        if uses_band(T, Hw, B, H, back + fwd + 1, Dk):
-            mean = _aft_banded(kh, vh, band_w, back, fwd, causal)
-        else:
+    # in that dtype under mixed precision too: autocast would run the weights' matmuls in 16 bits, where the
+    # terms exp(k - max k) below 6e-8 vanish (rows of 0 / 0) and the rest keep 3 digits
+    with autocast_off(q.device):
+        if variant == "simple" and causal:
+            q32, k32, v32 = q.to(dtype), k.to(dtype), v.to(dtype)  # [B,T,H,D]: the sums run along T, H*D contiguous
+            if native_aft.supports(q32, k32, v32):  # the CPU: one fused pass, exact for any keys
+                if torch.is_grad_enabled() and any(x.requires_grad for x in (q32, k32, v32)):
+                    return _NativeSimpleCausal.apply(q32, k32, v32).to(q.dtype)
+                return native_aft.forward(q32, k32, v32, save=False)[0].to(q.dtype)
+            if not reads_values(k.device):  # an accelerator: no path chosen from values (a host sync)
+                mean = _aft_simple_causal_log(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
+            elif (M := _simple_reference(k32)) is not None:  # keys of ordinary size: two cumsums
+                return _SimpleCausal.apply(q32, k32, v32, M).to(q.dtype)
+            else:  # a huge key late in the sequence: chunks with their own references
+                mean = _aft_simple_causal(k32.transpose(1, 2), v32.transpose(1, 2)).transpose(1, 2)
+            return (torch.sigmoid(q32) * mean).to(q.dtype)
+        kh, vh = (x.transpose(1, 2).to(dtype) for x in (k, v))  # [B,H,T,D]
+        if variant == "simple":  # not causal: one softmax over all keys
+            mean = (torch.softmax(kh, dim=2) * vh).sum(2, keepdim=True).expand_as(vh)
+        elif variant == "full":
             logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]
             mean = _aft_causal(kh, vh, logw) if causal else _aft_dense(kh, vh, logw)
-    o = torch.sigmoid(q.to(dtype)) * mean.transpose(1, 2)  # [B,T,H,D]
-    return o.to(q.dtype)
+        else:  # local, conv: whichever of the band [B,H,T,W,D] and the bias matrix [Hw,T,T] is smaller
+            band_w, back, fwd = band_bias(variant, pos_bias.to(dtype), window, T, causal)
+            Hw = pos_bias.shape[0] if pos_bias.dim() == 3 or variant == "conv" else 1
+            if uses_band(T, Hw, B, H, back + fwd + 1, Dk):
+                mean = _aft_banded(kh, vh, band_w, back, fwd, causal)
+            else:
+                logw = position_bias(variant, pos_bias.to(dtype), window, T, causal)  # [Hw,T,T]
+                mean = _aft_causal(kh, vh, logw) if causal else _aft_dense(kh, vh, logw)
+        o = torch.sigmoid(q.to(dtype)) * mean.transpose(1, 2)  # [B,T,H,D]
+        return o.to(q.dtype)
 
 
 def aft_simple_state(k: torch.Tensor, v: torch.Tensor) -> AFTState:

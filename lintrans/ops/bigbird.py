@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_bool, check_number, check_qkv, compute_dtype
+from .validation import autocast_off, check_bool, check_number, check_qkv, compute_dtype
 
 
 def _check(block_size, window_blocks, global_blocks, random_blocks, seed, causal) -> None:
@@ -143,33 +143,34 @@ def bigbird_attention(
     check_number("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)
-    c = min(block_size, T)  # one block either way; a longer one would only be padding
-    n = math.ceil(T / c)
-    pad = n * c - T
-    qh, kh, vh = (F.pad(x.transpose(1, 2).to(dtype), (0, 0, 0, pad)) for x in (q, k, v))  # [B,H,nc,D]
-    qb = qh.reshape(B, H, n, c, Dk) * scale
-    kb, vb = kh.reshape(B, H, n, c, Dk), vh.reshape(B, H, n, c, Dv)
+    with autocast_off(q.device):  # in dtype under mixed precision too, as documented
+        c = min(block_size, T)  # one block either way; a longer one would only be padding
+        n = math.ceil(T / c)
+        pad = n * c - T
+        qh, kh, vh = (F.pad(x.transpose(1, 2).to(dtype), (0, 0, 0, pad)) for x in (q, k, v))  # [B,H,nc,D]
+        qb = qh.reshape(B, H, n, c, Dk) * scale
+        kb, vb = kh.reshape(B, H, n, c, Dk), vh.reshape(B, H, n, c, Dv)
 
-    idx, slot_ok = _pattern_on(q.device, n, window_blocks, global_blocks, random_blocks, seed, causal)
-    K = idx.shape[1]
-    keys = kb[:, :, idx].reshape(B, H, n, K * c, Dk)  # [B,H,n,K c,Dk]: only the attended blocks
-    vals = vb[:, :, idx].reshape(B, H, n, K * c, Dv)
-    scores = qb @ keys.transpose(-1, -2)  # [B,H,n,c,Kc]
-    qpos = torch.arange(n * c, device=q.device).reshape(n, c)  # [n,c]
-    kpos = (idx[:, :, None] * c + torch.arange(c, device=q.device)).reshape(n, K * c)  # [n,Kc]
-    allowed = (slot_ok[:, :, None].expand(n, K, c).reshape(n, K * c) & (kpos < T))[:, None, :]  # [n,1,Kc]
-    if causal:
-        allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])  # [n,c,Kc]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    o = (scores.softmax(-1) @ vals).reshape(B, H, n * c, Dv)  # [B,H,nc,Dv]
-    G = min(global_blocks, n) * c
-    if G:  # global rows: every (earlier) key, O(T * G)
-        sg = qh[:, :, :G] * scale @ kh[:, :, :T].transpose(-1, -2)  # [B,H,G,T]
+        idx, slot_ok = _pattern_on(q.device, n, window_blocks, global_blocks, random_blocks, seed, causal)
+        K = idx.shape[1]
+        keys = kb[:, :, idx].reshape(B, H, n, K * c, Dk)  # [B,H,n,K c,Dk]: only the attended blocks
+        vals = vb[:, :, idx].reshape(B, H, n, K * c, Dv)
+        scores = qb @ keys.transpose(-1, -2)  # [B,H,n,c,Kc]
+        qpos = torch.arange(n * c, device=q.device).reshape(n, c)  # [n,c]
+        kpos = (idx[:, :, None] * c + torch.arange(c, device=q.device)).reshape(n, K * c)  # [n,Kc]
+        allowed = (slot_ok[:, :, None].expand(n, K, c).reshape(n, K * c) & (kpos < T))[:, None, :]  # [n,1,Kc]
         if causal:
-            sg = sg.masked_fill(torch.arange(T, device=q.device)[None, :] > torch.arange(G, device=q.device)[:, None],
-                                float("-inf"))
-        o = torch.cat([sg.softmax(-1) @ vh[:, :, :T], o[:, :, G:]], dim=2)
-    return o[:, :, :T].transpose(1, 2).to(q.dtype)  # [B,T,H,Dv]
+            allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])  # [n,c,Kc]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        o = (scores.softmax(-1) @ vals).reshape(B, H, n * c, Dv)  # [B,H,nc,Dv]
+        G = min(global_blocks, n) * c
+        if G:  # global rows: every (earlier) key, O(T * G)
+            sg = qh[:, :, :G] * scale @ kh[:, :, :T].transpose(-1, -2)  # [B,H,G,T]
+            if causal:
+                sg = sg.masked_fill(torch.arange(T, device=q.device)[None, :] > torch.arange(G, device=q.device)[:, None],
+                                    float("-inf"))
+            o = torch.cat([sg.softmax(-1) @ vh[:, :, :T], o[:, :, G:]], dim=2)
+        return o[:, :, :T].transpose(1, 2).to(q.dtype)  # [B,T,H,Dv]
 
 
 def bigbird_attention_reference(q, k, v, *, scale=None, **pattern) -> torch.Tensor:

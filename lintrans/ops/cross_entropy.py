@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validation import check_positive_int, check_tensor, reads_values
+from .validation import check_number, check_positive_int, check_tensor, reads_values
 
 DEFAULT_CHUNK_ROWS = 2048  # logits of 2048 x 50257 float32 are 411 MB; the fastest of 256..4096 on CPU
 
@@ -65,13 +65,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     g = logits.mul_(1.0 / sums).scatter_add_(0, safe_t, -torch.ones_like(sums)[None])
                     g, scale = g.to(h.dtype), w_row[:, None].to(h.dtype)
                 gh = grad_h[s:s + n]
-                torch.mm(g.t(), weight, out=gh).mul_(scale)  # [n, d]
+                torch.mm(g.t(), weight, out=gh)  # [n, d]
+                # in 16 bits the rows' weights 1 / count wait for backward, where the loss scale arrives: times
+                # 1 / count first, an fp16 gradient of a large batch falls below fp16's normal range
+                gh.mul_(scale if h.dtype == acc else ks[:, None].to(h.dtype))
                 if h.dtype == acc:
                     grad_w.addmm_(g, hs * scale)  # [V, d]
                 else:
                     grad_w.add_(g @ (hs * scale))
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if needs_grad else None)
         ctx.reduction = reduction
+        # what grad_h still lacks (16 bits: the mean's 1 / count), applied in acc with the incoming gradient
+        ctx.h_factor = None if h.dtype == acc else 1.0 / denom.clamp(min=1)
         if reduction == "none":
             return per_row
         total = per_row.sum()
@@ -84,7 +89,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError(
                 "linear_cross_entropy(reduction='none') gives no gradient; use 'mean' or 'sum' to train"
             )
-        gh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
+        gh = None
+        if ctx.needs_input_grad[0]:
+            if ctx.h_factor is None:
+                gh = grad_h * grad_out.to(grad_h.dtype)
+            else:  # the loss scale times 1 / count in acc first, then into the 16-bit rows
+                gh = grad_h * (grad_out.to(ctx.h_factor.dtype) * ctx.h_factor).to(grad_h.dtype)
         gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
         return gh, gw, None, None, None, None, None
 
@@ -116,6 +126,7 @@ def linear_cross_entropy(
     if targets.shape != h.shape[:1]:
         raise ValueError(f"targets must have shape [N] = ({h.shape[0]},), got {tuple(targets.shape)}")
     check_positive_int("chunk_rows", chunk_rows)
+    check_number("ignore_index", ignore_index, integer=True)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     targets = targets.long()

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .native import eager_only
-from .validation import (check_bool, check_choice, check_head_dims, check_number, check_tensor, compute_dtype,
+from .validation import (autocast_off, check_bool, check_choice, check_head_dims, check_number, check_tensor, compute_dtype,
                          warn_if_head_first)
 
 SELF_SCORE = -1e5  # a token's score with itself (the paper's 10^5 penalty)
@@ -184,70 +184,71 @@ def lsh_attention(
     check_number("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = compute_dtype(qk.dtype)
-    R, c = n_hashes, min(chunk_size, T)  # a chunk longer than T allows what a chunk of T does
-    n = math.ceil(T / c)
+    with autocast_off(qk.device):  # scores in dtype under mixed precision too (SELF_SCORE is beyond fp16)
+        R, c = n_hashes, min(chunk_size, T)  # a chunk longer than T allows what a chunk of T does
+        n = math.ceil(T / c)
 
-    buckets = lsh_buckets(qk, n_buckets=n_buckets, n_hashes=R, seed=seed)  # [B,H,R,T]
-    order, rank = _ranks(buckets)
-    # every position is padded with one row, index T, standing for "no token"
-    x = F.pad(qk.transpose(1, 2).to(dtype), (0, 0, 0, 1))  # [B,H,T+1,D]
-    vals = F.pad(v.transpose(1, 2).to(dtype), (0, 0, 0, 1))  # [B,H,T+1,Dv]
-    keys = F.normalize(x, dim=-1)
-    q_pos = F.pad(order, (0, n * c - T), value=T).reshape(B, H, R, n, c)  # the token in each sorted slot
-    none = torch.full_like(q_pos[..., :1, :], T)
-    shifted = {-1: torch.cat([none, q_pos[..., :-1, :]], dim=-2), 0: q_pos,
-               1: torch.cat([q_pos[..., 1:, :], none], dim=-2)}
-    reach = (0,) if n == 1 else (-1, 0, 1) if lookback == "window" and not causal else (-1, 0)
-    k_pos = torch.cat([shifted[s] for s in reach], dim=-1)  # [B,H,R,n,Kc]: keys of each query chunk
+        buckets = lsh_buckets(qk, n_buckets=n_buckets, n_hashes=R, seed=seed)  # [B,H,R,T]
+        order, rank = _ranks(buckets)
+        # every position is padded with one row, index T, standing for "no token"
+        x = F.pad(qk.transpose(1, 2).to(dtype), (0, 0, 0, 1))  # [B,H,T+1,D]
+        vals = F.pad(v.transpose(1, 2).to(dtype), (0, 0, 0, 1))  # [B,H,T+1,Dv]
+        keys = F.normalize(x, dim=-1)
+        q_pos = F.pad(order, (0, n * c - T), value=T).reshape(B, H, R, n, c)  # the token in each sorted slot
+        none = torch.full_like(q_pos[..., :1, :], T)
+        shifted = {-1: torch.cat([none, q_pos[..., :-1, :]], dim=-2), 0: q_pos,
+                   1: torch.cat([q_pos[..., 1:, :], none], dim=-2)}
+        reach = (0,) if n == 1 else (-1, 0, 1) if lookback == "window" and not causal else (-1, 0)
+        k_pos = torch.cat([shifted[s] for s in reach], dim=-1)  # [B,H,R,n,Kc]: keys of each query chunk
 
-    # Per round one integer per token such that a pair is allowed in that round iff the key's lies
-    # in [query's - lo, query's + hi]: same bucket and near in the sorted order (window: places
-    # at most c apart, only earlier ones when causal; chunk: the same chunk or the one before).
-    # Buckets are spaced wider than any such range; the "no token" row is far from every token.
-    if lookback == "window":
-        packed, lo, hi = buckets * (2 * T + 4 * c) + rank, c, 0 if causal else c
-    else:
-        packed, lo, hi = buckets * (2 * n + 4) + torch.div(rank, c, rounding_mode="floor"), 1, 0
-    small = n_buckets * (2 * T + 4 * c) < 2**30
-    packed = F.pad(packed.to(torch.int32 if small else torch.int64), (0, 1), value=-(2**30 if small else 2**40))
-    causal_pairs = k_pos[..., None, :] <= q_pos[..., :, None] if causal and lookback == "chunk" else None
-    # every round's verdict on each pair: its own round's is the mask; N_ij, the number of rounds
-    # that allow a pair, counts its duplicates
-    count, own = None, []
-    for r in range(R):
-        kq, kk = _take(packed[:, :, r], q_pos)[..., :, None], _take(packed[:, :, r], k_pos)[..., None, :]
-        ok = (kk >= kq - lo) & (kk <= kq + hi)  # [B,H,R,n,c,Kc]
-        if causal_pairs is not None:
-            ok &= causal_pairs
-        own.append(ok[:, :, r])
+        # Per round one integer per token such that a pair is allowed in that round iff the key's lies
+        # in [query's - lo, query's + hi]: same bucket and near in the sorted order (window: places
+        # at most c apart, only earlier ones when causal; chunk: the same chunk or the one before).
+        # Buckets are spaced wider than any such range; the "no token" row is far from every token.
+        if lookback == "window":
+            packed, lo, hi = buckets * (2 * T + 4 * c) + rank, c, 0 if causal else c
+        else:
+            packed, lo, hi = buckets * (2 * n + 4) + torch.div(rank, c, rounding_mode="floor"), 1, 0
+        small = n_buckets * (2 * T + 4 * c) < 2**30
+        packed = F.pad(packed.to(torch.int32 if small else torch.int64), (0, 1), value=-(2**30 if small else 2**40))
+        causal_pairs = k_pos[..., None, :] <= q_pos[..., :, None] if causal and lookback == "chunk" else None
+        # every round's verdict on each pair: its own round's is the mask; N_ij, the number of rounds
+        # that allow a pair, counts its duplicates
+        count, own = None, []
+        for r in range(R):
+            kq, kk = _take(packed[:, :, r], q_pos)[..., :, None], _take(packed[:, :, r], k_pos)[..., None, :]
+            ok = (kk >= kq - lo) & (kk <= kq + hi)  # [B,H,R,n,c,Kc]
+            if causal_pairs is not None:
+                ok &= causal_pairs
+            own.append(ok[:, :, r])
+            if R > 1:
+                count = ok.to(dtype) if count is None else count.add_(ok)
+        allowed = torch.stack(own, dim=2)  # [B,H,R,n,c,Kc]
+
+        s = (_gather(x, q_pos) * scale) @ _gather(keys, k_pos).transpose(-1, -2)  # [B,H,R,n,c,Kc]
+        if R > 1:  # each key counted once over the rounds: log N_ij off its score wherever it is allowed
+            s = s - torch.where(allowed, count.log_(), math.inf)
+        else:
+            s = s.masked_fill(~allowed, float("-inf"))
+        # the self pair: query slot t of a chunk is key slot t of the same chunk; every row keeps this
+        # finite entry (padded slots included), so no row is all -inf. Every round holds it: log R off,
+        # as for any pair that R rounds allow, so that it counts once
+        # built without writing into a view: torch.compile's functionalisation refuses that
+        col = torch.arange(len(reach) * c, device=qk.device)  # [Kc]
+        self_pair = col[None, :] == torch.arange(c, device=qk.device)[:, None] + reach.index(0) * c  # [c, Kc]
+        s = s.masked_fill(self_pair, SELF_SCORE - math.log(R))
+        p = s.softmax(dim=-1)
+        o = p @ _gather(vals, k_pos)  # [B,H,R,n,c,Dv]
+        o = o.reshape(B, H, R, n * c, Dv).gather(3, rank[..., None].expand(-1, -1, -1, -1, Dv))  # [B,H,R,T,Dv]
         if R > 1:
-            count = ok.to(dtype) if count is None else count.add_(ok)
-    allowed = torch.stack(own, dim=2)  # [B,H,R,n,c,Kc]
-
-    s = (_gather(x, q_pos) * scale) @ _gather(keys, k_pos).transpose(-1, -2)  # [B,H,R,n,c,Kc]
-    if R > 1:  # each key counted once over the rounds: log N_ij off its score wherever it is allowed
-        s = s - torch.where(allowed, count.log_(), math.inf)
-    else:
-        s = s.masked_fill(~allowed, float("-inf"))
-    # the self pair: query slot t of a chunk is key slot t of the same chunk; every row keeps this
-    # finite entry (padded slots included), so no row is all -inf. Every round holds it: log R off,
-    # as for any pair that R rounds allow, so that it counts once
-    # built without writing into a view: torch.compile's functionalisation refuses that
-    col = torch.arange(len(reach) * c, device=qk.device)  # [Kc]
-    self_pair = col[None, :] == torch.arange(c, device=qk.device)[:, None] + reach.index(0) * c  # [c, Kc]
-    s = s.masked_fill(self_pair, SELF_SCORE - math.log(R))
-    p = s.softmax(dim=-1)
-    o = p @ _gather(vals, k_pos)  # [B,H,R,n,c,Dv]
-    o = o.reshape(B, H, R, n * c, Dv).gather(3, rank[..., None].expand(-1, -1, -1, -1, Dv))  # [B,H,R,T,Dv]
-    if R > 1:
-        # each round weighted by exp(its logsumexp - the one over rounds); lse = s_a - log p_a at
-        # a row's largest score a, one gather instead of a second pass of exp
-        a = s.argmax(dim=-1, keepdim=True)
-        lse = (s.gather(-1, a) - p.gather(-1, a).log()).reshape(B, H, R, n * c).gather(3, rank)  # [B,H,R,T]
-        o = (lse.softmax(dim=2)[..., None] * o).sum(dim=2)  # [B,H,T,Dv]
-    else:
-        o = o[:, :, 0]
-    return o.transpose(1, 2).to(qk.dtype), (buckets if output_buckets else None)
+            # each round weighted by exp(its logsumexp - the one over rounds); lse = s_a - log p_a at
+            # a row's largest score a, one gather instead of a second pass of exp
+            a = s.argmax(dim=-1, keepdim=True)
+            lse = (s.gather(-1, a) - p.gather(-1, a).log()).reshape(B, H, R, n * c).gather(3, rank)  # [B,H,R,T]
+            o = (lse.softmax(dim=2)[..., None] * o).sum(dim=2)  # [B,H,T,Dv]
+        else:
+            o = o[:, :, 0]
+        return o.transpose(1, 2).to(qk.dtype), (buckets if output_buckets else None)
 
 
 def unit_keys(x: torch.Tensor) -> torch.Tensor:
@@ -263,6 +264,11 @@ def shared_qk_rows(q: torch.Tensor, keys: torch.Tensor, v: torch.Tensor, *, scal
     tokens), v [B, H, L, Dv], in one dtype; mask [B, H, t, L] or None -> [B, H, t, Dv]. The core
     of ``shared_qk_attention``; a decoding cache keeps the unit keys, so that a step normalises
     only its own."""
+    with autocast_off(q.device):  # in q's dtype under mixed precision too (SELF_SCORE is beyond fp16)
+        return _shared_qk_rows(q, keys, v, scale, mask, causal)
+
+
+def _shared_qk_rows(q, keys, v, scale, mask, causal):
     t, L = q.shape[2], keys.shape[2]
     s = (q @ keys.transpose(-1, -2)) * scale  # [B,H,t,L]
     # s_ii written in place (a decoding step's cost is mostly such small ops): s is a new tensor

@@ -432,6 +432,12 @@ def sliding_window_step(
         )
     check_bool("inplace", inplace)
     p = int(cache.pos)
+    # the prefix holds every token up to the last global one: a cache built for other global tokens would
+    # have the step score the wrong rows, or none (silently)
+    held = min(p, gl[-1] + 1) if gl else 0
+    if cache.prefix_k.shape != (B, H, held, Dk) or cache.prefix_v.shape != (B, H, held, Dv):
+        raise ValueError(f"cache holds a prefix of {cache.prefix_k.shape[2]} tokens at position {p}; global_tokens "
+                         f"{gl} need {held}: the cache must come from calls with the same global_tokens")
     qd, kd, vd = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
     ring_k, ring_v = cache.ring_k, cache.ring_v
     if not (inplace and can_write_in_place(ring_k, ring_v, q, k, v)):  # else copies: the caller keeps its rings

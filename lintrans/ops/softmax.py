@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .validation import check_qkv
+from .validation import check_bool, check_number, check_qkv
 
 
 def softmax_attention(
@@ -15,6 +15,8 @@ def softmax_attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention via PyTorch SDPA. q, k: [B, T, H, Dk], v: [B, T, H, Dv] -> o [B, T, H, Dv]."""
     check_qkv(q, k, v)
+    check_bool("causal", causal)
+    check_number("scale", scale, allow_none=True)  # a NaN or inf scale would give NaN outputs, silently
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale
     )  # [B,H,T,Dv]

@@ -65,3 +65,15 @@ def test_a_row_first_built_in_inference_mode_serves_a_backward_later():
     stepped, _ = decode(layer, xg, prompt=2)
     stepped.sum().backward()
     assert torch.isfinite(xg.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_decoding_computes_as_the_forward(dtype):
+    """The forward's op scores and averages in float32; decoding did its products in the 16-bit dtype
+    (5x the forward's error against float64). Now both round alike: decode equals forward closely."""
+    layer = layer_of(block_size=3, window_blocks=2, global_blocks=1, random_blocks=2, seed=4).to(dtype)
+    x = (3 * torch.randn(1, 20, 16, generator=torch.Generator().manual_seed(0))).to(dtype)
+    with torch.no_grad():
+        full, _ = layer(x)
+        stepped, _ = decode(layer, x, 4)
+    torch.testing.assert_close(stepped.float(), full.float(), rtol=0, atol=4e-3 if dtype == torch.bfloat16 else 5e-4)
