@@ -190,6 +190,7 @@ class TokenStream:
                  device="cpu"):
         self.splits = splits
         self.T, self.tpu, self.device = T, tokens_per_update, device
+        check_sizes(splits, tokens_per_update, val_tokens)
         rng = np.random.Generator(np.random.PCG64(seed))
         self.starts = rng.integers(0, len(splits.train) - tokens_per_update - 1, size=steps)
         self.val = [_windows(splits.val, i, min(tokens_per_update, val_tokens - i), T, device)
@@ -207,8 +208,6 @@ class CodeStream(TokenStream):
         from .code_corpus import load
 
         self.corpus = load() if corpus is None else corpus
-        if val_tokens + 1 > len(self.corpus.val):
-            raise ValueError(f"val_tokens ({val_tokens}) exceeds the held-out split ({len(self.corpus.val)} tokens)")
         super().__init__(self.corpus, T, tokens_per_update, steps, seed, val_tokens, device)
 
     def evaluate(self, model: GPT) -> dict:
@@ -253,6 +252,16 @@ def run_spec(s: dict, mechanism: str, context: int, lr: float, seed: int) -> dic
     keys = ("n_layer", "n_head", "n_embd", "tokens_per_update", "steps", "eval_every", "val_tokens", "source")
     return {"study": NAME, "version": LM_VERSION, "attention": mechanism, "context": context, "lr": lr, "seed": seed,
             **{k: s[k] for k in keys}}
+
+
+def check_sizes(splits, tokens_per_update: int, val_tokens: int) -> None:
+    """ValueError naming the setting a source's splits cannot serve (numpy's "high <= 0" or an IndexError
+    deep in a run otherwise)."""
+    if val_tokens + 1 > len(splits.val):
+        raise ValueError(f"val_tokens ({val_tokens}) exceeds the held-out split ({len(splits.val)} tokens)")
+    if tokens_per_update + 2 > len(splits.train):
+        raise ValueError(f"tokens_per_update ({tokens_per_update}) exceeds the training split "
+                         f"({len(splits.train)} tokens)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -121,6 +121,12 @@ def validate(s: dict) -> None:
     if s["tokens_per_update"] % T or s["val_tokens"] % T:
         raise ValueError(f"tokens_per_update ({s['tokens_per_update']}) and val_tokens ({s['val_tokens']}) must be "
                          f"multiples of context ({T})")
+    # the windows there are: more would be recorded but not used (the runs take what there is)
+    for name, total, whole in (("distill_batch", "tokens_per_update", s["tokens_per_update"] // T),
+                               ("kl_windows", "val_tokens", s["val_tokens"] // T)):
+        if s[name] > whole:
+            raise ValueError(f"{name} ({s[name]}) exceeds the {whole} windows of {total} / context "
+                             f"({s[total]} / {T})")
 
 
 def teacher_spec(s: dict, lr: float, seed: int) -> dict:
@@ -318,7 +324,7 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
               max_runs: Optional[int] = None) -> dict:
     runner = study.Runner(f"{__name__}:run", out, jobs=jobs, progress=progress, units=_units, desc=NAME,
                           device=device, max_runs=max_runs)
-    context.token_data(s["source"])
+    context.check_sizes(context.token_data(s["source"]), s["tokens_per_update"], s["val_tokens"])  # before any run
     teacher_sweep, teachers = study.sweep_and_seeds(
         runner, ["teacher"], lrs=s["teacher_lrs"], seeds=s["seeds"], score=_final_teacher, name="role",
         spec_for=lambda _, __, lr, seed: teacher_spec(s, lr, seed))

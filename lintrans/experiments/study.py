@@ -283,32 +283,51 @@ class Runner:
 # --- the learning-rate sweep and aggregation ----------------------------------------------------
 
 
-def lr_sweep(runner: Runner, specs: dict, score: Callable[[dict], Optional[float]]) -> dict:
+def lr_sweep(runner: Runner, specs: dict, score: Callable[[dict], Optional[float]], *, maximize: bool = False,
+             tiebreak: Optional[Callable[[dict], Optional[float]]] = None) -> dict:
     """Run ``specs`` ({mechanism: [spec per learning rate]}) and pick, per mechanism, the rate whose
-    run has the lowest ``score(result)`` (held-out; None or NaN = diverged, never chosen).
+    run has the lowest ``score(result)`` (the highest with ``maximize``; held-out; None or NaN =
+    diverged, never chosen), equal scores decided by the lowest ``tiebreak(result)``.
 
-    Returns {"chosen": {mechanism: lr}, "table": {mechanism: [{"lr", "score"}, ...]}}.
+    Returns {"chosen": {mechanism: lr}, "table": {mechanism: [{"lr", "score"(, "tiebreak")}, ...]},
+    "maximize": bool}.
     """
     flat = [s for group in specs.values() for s in group]
     results = iter(runner.run(flat))
     chosen, table = {}, {}
     for mech, group in specs.items():
-        rows = table[mech] = [sweep_row(spec["lr"], score(next(results))) for spec in group]
-        chosen[mech] = best_lr(rows)
+        rows = []
+        for spec in group:
+            result = next(results)
+            rows.append(sweep_row(spec["lr"], score(result), None if tiebreak is None else tiebreak(result)))
+        table[mech] = rows
+        chosen[mech] = best_lr(rows, maximize)
         if chosen[mech] is None:
             raise RuntimeError(f"every learning rate of the sweep diverged for {mech!r}: {[r['lr'] for r in rows]}")
-    return {"chosen": chosen, "table": table}
+    return {"chosen": chosen, "table": table, "maximize": maximize}
 
 
-def sweep_row(lr: float, value: Optional[float]) -> dict:
+def _finite_or_none(value):
+    return value if value is not None and math.isfinite(value) else None
+
+
+def sweep_row(lr: float, value: Optional[float], tiebreak: Optional[float] = None) -> dict:
     """One rate's line of a sweep's table: its score, None where the run diverged (None or NaN)."""
-    return {"lr": lr, "score": value if value is not None and math.isfinite(value) else None}
+    row = {"lr": lr, "score": _finite_or_none(value)}
+    if tiebreak is not None:
+        row["tiebreak"] = _finite_or_none(tiebreak)
+    return row
 
 
-def best_lr(rows: list) -> Optional[float]:
-    """The rate of the lowest score among ``rows`` (``sweep_row``s), the first on a tie; None if every one diverged."""
+def best_lr(rows: list, maximize: bool = False) -> Optional[float]:
+    """The rate of the lowest score among ``rows`` (``sweep_row``s; the highest with ``maximize``), equal
+    scores decided by the lowest tiebreak, then the first; None if every one diverged."""
     ok = [r for r in rows if r["score"] is not None]
-    return min(ok, key=lambda r: r["score"])["lr"] if ok else None
+    if not ok:
+        return None
+    sign = -1 if maximize else 1
+    inf = float("inf")
+    return min(ok, key=lambda r: (sign * r["score"], inf if r.get("tiebreak") is None else r["tiebreak"]))["lr"]
 
 
 EACH_POINT = "each"  # sweep_point value: sweep the rate at every point, not at one
@@ -316,7 +335,8 @@ EACH_POINT = "each"  # sweep_point value: sweep the rate at every point, not at 
 
 def sweep_and_seeds(runner: Runner, mechanisms: list, *, lrs: list, seeds: int, spec_for: Callable,
                     score: Callable, points: list = (None,), sweep_point=None, name: str = "attention",
-                    fields: Callable = lambda point: {}) -> tuple:
+                    fields: Callable = lambda point: {}, maximize: bool = False,
+                    tiebreak: Optional[Callable] = None) -> tuple:
     """The two phases of a study. ``spec_for(mechanism, point, lr, seed)`` is a run's spec.
 
     1. ``lr_sweep`` of every mechanism over ``lrs``, seed 0, at ``sweep_point`` (or, with
@@ -330,7 +350,8 @@ def sweep_and_seeds(runner: Runner, mechanisms: list, *, lrs: list, seeds: int, 
     at = list(points) if each else [sweep_point]
     # every sweep run in one batch, so that --jobs N runs them in parallel; lr_sweep then reads the store
     runner.run([spec_for(m, p, lr, 0) for p in at for m in mechanisms for lr in lrs])
-    sweeps = [lr_sweep(runner, {m: [spec_for(m, p, lr, 0) for lr in lrs] for m in mechanisms}, score) for p in at]
+    sweeps = [lr_sweep(runner, {m: [spec_for(m, p, lr, 0) for lr in lrs] for m in mechanisms}, score,
+                       maximize=maximize, tiebreak=tiebreak) for p in at]
     chosen = [sw["chosen"] for sw in sweeps]
     grid = [(m, i, p, seed) for m in mechanisms for i, p in enumerate(points) for seed in range(seeds)]
     specs = [spec_for(m, p, chosen[i if each else 0][m], seed) for m, i, p, seed in grid]
@@ -465,7 +486,9 @@ def band(ax, x, curves: list[list], label: str = None, color=None, marker=None, 
     if not pts:
         return color
     a, m, lo, hi = zip(*pts)
-    label = f"{label} (n={len(curves)})" if label is not None and len(curves) > 1 else label
+    if label is not None and len(curves) > 1:  # the seeds the mean is of: a failed seed is left out of it
+        have = sum(1 for c in curves if c is not None and any(v is not None for v in c))
+        label = f"{label} (n={have})" if have == len(curves) else f"{label} (n={have} of {len(curves)})"
     (line,) = ax.plot(a, m, label=label, color=color, marker=marker, ms=3, **kw)
     if len(curves) > 1:
         ax.fill_between(a, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
@@ -497,7 +520,8 @@ def plot_sweep(sweep, path, title: str, score_label: str, panel_title: Callable 
             ax.set_title(panel_title(sw), fontsize=8)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"learning-rate sweep, {title}\ncircled = chosen (lowest), x = diverged", fontsize=8)
+    which = "highest" if sweeps[0].get("maximize") else "lowest"
+    fig.suptitle(f"learning-rate sweep, {title}\ncircled = chosen ({which}), x = diverged", fontsize=8)
     fig.tight_layout()
     return save(fig, path)
 

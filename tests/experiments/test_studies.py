@@ -224,6 +224,11 @@ def test_quick_does_not_default_to_the_record_folder():
     ("distill", ["--teacher-lrs", "0"], "teacher_lrs must be a non-empty list"),
     ("distill", ["--source", "/nonexistent/file.txt"], "source: "),
     ("distill", ["--source", "nosuch:thing"], "source: "),
+    # more windows than there are: recorded but not used (the runs took what there was)
+    ("distill", ["--set", "distill_batch=1000"], "distill_batch (1000) exceeds the"),
+    ("distill", ["--set", "kl_windows=10000"], "kl_windows (10000) exceeds the"),
+    # more than the source holds: an IndexError, or numpy's "high <= 0", deep in a run
+    ("distill", ["--set", "val_tokens=2000000", "--set", "kl_windows=1"], "val_tokens (2000000) exceeds the held-out split"),
 ])
 def test_bad_input_exits_2_with_one_line(name, args, match, tmp_path, capsys):
     assert run_cli(name, tmp_path, *args) == 2

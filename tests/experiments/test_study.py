@@ -43,6 +43,23 @@ def test_lr_sweep_picks_the_lowest_held_out_score_and_skips_diverged():
         study.lr_sweep(FakeRunner({("a", 1): None}), {"a": [{"mech": "a", "lr": 1}]}, lambda r: r["score"])
 
 
+def test_lr_sweep_can_pick_the_highest_score_with_a_tiebreak():
+    """Recall picks by held-out accuracy (what it reports), equal accuracies by the lower loss."""
+    acc = {("a", 1): 0.2, ("a", 2): 0.5, ("a", 3): 0.5, ("b", 1): 0.0, ("b", 2): 0.0, ("b", 3): None}
+    loss = {("a", 1): 1.0, ("a", 2): 3.0, ("a", 3): 2.0, ("b", 1): 5.0, ("b", 2): 4.0, ("b", 3): 1.0}
+
+    class Runner:
+        def run(self, specs):
+            return [{"acc": acc[(s["mech"], s["lr"])], "loss": loss[(s["mech"], s["lr"])]} for s in specs]
+
+    specs = {m: [{"mech": m, "lr": lr} for lr in (1, 2, 3)] for m in "ab"}
+    sweep = study.lr_sweep(Runner(), specs, lambda r: r["acc"], maximize=True, tiebreak=lambda r: r["loss"])
+    assert sweep["chosen"] == {"a": 3, "b": 2} and sweep["maximize"] is True
+    assert sweep["table"]["a"][2] == {"lr": 3, "score": 0.5, "tiebreak": 2.0}
+    # by the loss alone, as before: the lowest
+    assert study.lr_sweep(Runner(), specs, lambda r: r["loss"])["chosen"] == {"a": 1, "b": 3}
+
+
 def test_spread():
     assert study.spread([1.0, 3.0, None]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2, "n_failed": 1}
     assert study.spread([None])["mean"] is None
