@@ -419,8 +419,24 @@ def save_model(model: GPT, folder, extra_config: Optional[dict] = None, state: O
     save_id = uuid.uuid4().hex
     _write_safetensors(folder / "model.safetensors", state,
                        metadata={"format": "pt", "lintrans": "gpt", "save_id": save_id})
-    _write_json(folder / "config.json", {**(extra_config or {}), "model": model.config.to_dict(), "save_id": save_id})
+    _write_json(folder / "config.json", {**(extra_config or {}), "model": model.config.to_dict(), "save_id": save_id,
+                                         "lintrans_format": MODEL_FORMAT})
     return folder
+
+
+# The layout of a saved model (config.json + model.safetensors). Raised when a save changes in a way an older
+# lintrans would misread; a load refuses a higher one by name (an unknown key would be its only hint otherwise).
+# Saves without it (before 2026-11-27) are format 1.
+MODEL_FORMAT = 1
+
+
+def _check_format(path: Path, cfg: dict) -> None:
+    fmt = cfg.get("lintrans_format", 1)
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise ValueError(f"{path / 'config.json'}: lintrans_format must be an int >= 1, got {fmt!r}")
+    if fmt > MODEL_FORMAT:
+        raise ValueError(f"{path / 'config.json'} was written by a newer lintrans (model format {fmt}; this one "
+                         f"reads up to {MODEL_FORMAT}): upgrade lintrans to load it")
 
 
 def _check_same_save(folder: Path, cfg: dict) -> None:
@@ -468,6 +484,7 @@ def load_model(path, **overrides) -> GPT:
     inner = _lintrans_config(cfg)
     if inner is None:
         return load_hf(path, **overrides)
+    _check_format(path, cfg)
     _check_same_save(path, cfg)
     try:
         config = GPTConfig.from_dict(inner)

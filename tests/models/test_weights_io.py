@@ -415,6 +415,21 @@ def test_weights_and_config_of_different_saves_are_refused(tmp_path):
     load_model(tmp_path / "b")
 
 
+def test_saves_carry_their_format_and_a_newer_one_is_refused_by_name(tmp_path):
+    from lintrans.models.hf import MODEL_FORMAT
+
+    save_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["lintrans_format"] == MODEL_FORMAT == 1
+    for fmt, match in ((MODEL_FORMAT + 1, "written by a newer lintrans \\(model format 2"), ("1", "must be an int")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "lintrans_format": fmt}))
+        with pytest.raises(ValueError, match=match):
+            load_model(tmp_path)
+    del config["lintrans_format"]  # saved before the format was written: format 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    load_model(tmp_path)
+
+
 def test_a_gpt2_config_without_model_type_loads_and_meta_is_refused(tmp_path):
     """transformers loads a GPT-2 config.json without model_type; it was read as a flat lintrans
     config and refused with 'unknown GPTConfig keys'. Loading under torch.device('meta') returned a
