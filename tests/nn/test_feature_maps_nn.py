@@ -441,3 +441,19 @@ def test_bad_input_raises():
             softmax_attention_weights(k if word == "q must have" else q, q if word == "q must have" else k)
     with pytest.raises(TypeError, match="scale"):
         softmax_attention_weights(q, q, scale="big")
+
+
+def test_a_seeded_performer_config_passes_the_meta_device_check():
+    """check_attention builds a layer on the meta device: the seeded draw read its count there (.item() on a
+    meta tensor, a RuntimeError), so train's config check refused a config GPT(cfg) builds."""
+    from lintrans.models import GPT, GPTConfig
+    from lintrans.nn.registry import check_attention
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11, attention="linear",
+                    attention_options={"feature_map": "performer", "feature_map_options": {"num_features": 8, "seed": 1}})
+    check_attention(cfg)
+    GPT(cfg)
+    bad = GPTConfig(**{**cfg.__dict__, "attention_options": {"feature_map": "performer",
+                                                             "feature_map_options": {"num_features": 0, "seed": 1}}})
+    with pytest.raises(ValueError, match="num_features"):
+        check_attention(bad)
