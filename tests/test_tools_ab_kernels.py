@@ -55,3 +55,14 @@ def test_two_builds(tmp_path, monkeypatch):
 def test_unknown_op_is_refused():
     with pytest.raises(SystemExit):
         _tool().main(["--ops", "nonsense"])
+
+
+def test_decode_step_tool_prints_a_line_per_step_and_shape(capsys):
+    """tools/ab_decode_steps.py runs against the package (its times are not checked)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "ab_decode_steps.py"
+    spec = importlib.util.spec_from_file_location("ab_decode_steps", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--rounds", "1", "--calls", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("B=1 ")]
+    assert len(lines) == 8 and all("fused" in line and "PyTorch" in line for line in lines)
