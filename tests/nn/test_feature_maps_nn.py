@@ -457,3 +457,19 @@ def test_a_seeded_performer_config_passes_the_meta_device_check():
                                                              "feature_map_options": {"num_features": 0, "seed": 1}}})
     with pytest.raises(ValueError, match="num_features"):
         check_attention(bad)
+
+
+def test_check_attention_builds_for_real_where_the_meta_device_cannot(monkeypatch):
+    """A layer whose constructor reads a tensor's value cannot be built on the meta device: the check
+    builds it on the CPU instead of failing a config the model builds (as a seeded Performer did)."""
+    from lintrans.models import GPTConfig
+    from lintrans.nn.registry import check_attention
+
+    def reads_a_value(self):
+        int(self.projection.sum())  # .item(): a RuntimeError on meta tensors
+        self.projection.normal_()
+
+    monkeypatch.setattr(Performer, "redraw", reads_a_value)
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11, attention="linear",
+                    attention_options={"feature_map": "performer", "feature_map_options": {"num_features": 8}})
+    check_attention(cfg)
