@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -381,10 +382,11 @@ class LinearAttention(QKVAttention):
         if self.feature_map_name is None:
             self.phi_q, self.phi_k = fm
         if opts["feature_map"] == "identity" and opts["normalize"]:
-            # signed q and k: the normaliser phi(q) . sum phi(k) crosses zero and the output blows up
-            raise ValueError("attention_options: feature_map 'identity' needs normalize=False (its features "
-                             "are signed, so the normaliser can vanish); choose a positive map such as 'elu' "
-                             "to normalise")
+            # signed q and k: the normaliser phi(q) . sum phi(k) crosses zero and the output blows up. A warning,
+            # not an error: models saved with it still load
+            warnings.warn("attention_options: feature_map 'identity' with normalize=True: its features are "
+                          "signed, so the normaliser can vanish and outputs blow up; choose a positive map such as "
+                          "'elu' to normalise, or normalize=False", UserWarning, stacklevel=3)
         self.form, self.chunk_size = opts["form"], opts["chunk_size"]
         scale = self.qk_dim ** -0.5 if opts["scale"] is None else opts["scale"]
         self.kw = {"normalize": opts["normalize"], "scale": scale, "eps": opts["eps"]}

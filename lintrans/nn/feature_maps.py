@@ -229,8 +229,10 @@ class Performer(nn.Module):
         self.draws += 1
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # weights saved before the draws were counted: they hold the first draw
-        state_dict.setdefault(prefix + "draws", torch.ones((), dtype=torch.int64))
+        # weights saved before the draws were counted hold the first draw (only where they hold this module's
+        # projection: a partial load of other modules leaves the count alone)
+        if prefix + "projection" in state_dict:
+            state_dict.setdefault(prefix + "draws", torch.ones((), dtype=torch.int64))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

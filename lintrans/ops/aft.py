@@ -19,7 +19,10 @@ Never builds a [T, T, D] tensor. Paths:
 - full (and local/conv on short sequences): exp(w - rowmax w) [Hw, T, T] times exp(k - max k) * v, one
   matmul; both max shifts cancel in the ratio. When causal and a huge key comes late (a row's largest
   term would sit more than UNDERFLOW_GAP below the shared reference), query chunks with per-row
-  references (the running max of k) instead.
+  references (the running max of k) instead. A row whose largest key and largest bias belong to
+  different keys far apart can still underflow whole; on the CPU such rows are computed again against
+  their own reference, [CHUNK, T, D] per (batch, head) at a time (``_divide_or_redo``); on an
+  accelerator (no host read) they stay NaN.
 - simple, causal, on the CPU (float32/float64): one fused pass along T with a running max per channel
   (ops/native/aft.cpp), exact for any keys. Where that kernel is unavailable (or off), and on
   accelerators, the PyTorch paths:
@@ -140,29 +143,42 @@ def _aft_dense(k, v, logw):
 
 def _divide_or_redo(num, den, k, v, logw):
     """num / den [B,H,T,D], with the rows whose den fell under sqrt(tiny) (their terms, taken against
-    shared references, underflowed: 0/0, or too few digits) computed again by ``_exact_rows``. One host
-    read where values are read (the CPU); on an accelerator the division alone."""
+    shared references, underflowed: 0/0, or too few digits) computed again by ``_exact_rows`` for the
+    (batch, head) pairs they occur in. One host read where values are read (the CPU); on an accelerator
+    the division alone, and such rows stay NaN there."""
     if not reads_values(k.device) or den.numel() == 0:
         return num / den
     small = den.detach() < torch.finfo(den.dtype).tiny ** 0.5  # [B,H,T,D]
-    rows = small.flatten(end_dim=1).any(0).any(-1).nonzero().squeeze(1)  # [R] query positions
-    if rows.numel() == 0:
+    bad = small.any(-1)  # [B,H,T]
+    pairs = bad.any(-1).nonzero()  # [P, 2] (batch, head)
+    if pairs.shape[0] == 0:
         return num / den
+    rows = bad[pairs[:, 0], pairs[:, 1]].any(0).nonzero().squeeze(1)  # [R] query positions
     # those rows' quotients replaced: a den of 1 there keeps their (unused) gradient finite, not 0 * inf
     out = num / den.masked_fill(small, 1.0)
-    return out.index_copy(2, rows, _exact_rows(k, v, logw, rows))
+    b, h = pairs[:, 0, None], pairs[:, 1, None]  # [P,1]
+    w = logw[h[:, 0] if logw.shape[0] > 1 else torch.zeros_like(h[:, 0])]  # [P,T,T]
+    return out.index_put((b, h, rows[None]), _exact_rows(k[b[:, 0], h[:, 0]], v[b[:, 0], h[:, 0]], w, rows))
 
 
 def _exact_rows(k, v, logw, rows):
-    """Rows ``rows`` [R] of the weighted mean, each against its own reference max_j (w_tj + k_j) per
-    channel: exact for any keys and biases, O(R T D) memory per head. logw [Hw,T,T] holds -inf where a
-    key is masked (causal); k, v [B,H,T,D] -> [B,H,R,D]."""
+    """Rows ``rows`` [R] of the weighted mean of P (batch, head) pairs, each row against its own reference
+    max_j (w_tj + k_j) per channel: exact for any keys and biases. Rows go in chunks of CHUNK, each
+    recomputed in backward (checkpointed), so memory stays O(P CHUNK T D) however many rows there are.
+    k, v [P,T,D]; logw [P,T,T], -inf where a key is masked (causal) -> [P,R,D]."""
+    from torch.utils.checkpoint import checkpoint
+
+    def rows_of(w_rows, k, v):
+        s = w_rows[..., None] + k[:, None]  # [P,C,T,D]
+        e = torch.exp(s - _finite(s.detach().amax(2, keepdim=True)))
+        return (e * v[:, None]).sum(2) / e.sum(2)
+
+    records = torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, logw))
     out = []
     for part in rows.split(CHUNK):
-        s = logw[:, part, :, None] + k[:, :, None]  # [B,H,R,T,D] (Hw broadcasts over H)
-        e = torch.exp(s - _finite(s.detach().amax(3, keepdim=True)))
-        out.append((e * v[:, :, None]).sum(3) / e.sum(3))
-    return torch.cat(out, dim=2)
+        w_rows = logw[:, part]  # [P,C,T]
+        out.append(checkpoint(rows_of, w_rows, k, v, use_reentrant=False) if records else rows_of(w_rows, k, v))
+    return torch.cat(out, dim=1)
 
 
 def _aft_causal(k, v, logw):

@@ -55,24 +55,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if needs_grad:
                 # ignored rows get no gradient; an all-ignored batch none at all (its loss is nan, its
                 # gradient 0, as F.cross_entropy's), not 0 / 0
-                w_row = torch.where(ks, 1.0 / denom.clamp(min=1), 0.0).to(acc)
+                gh = grad_h[s:s + n]
                 if h.dtype == acc:
                     # exp - sums * onehot is sums * (softmax - onehot): the 1 / sums goes onto the
                     # [n, d] operands instead of a pass over the [V, n] chunk
+                    w_row = torch.where(ks, 1.0 / denom.clamp(min=1), 0.0).to(acc)
                     g = logits.scatter_add_(0, safe_t, -sums[None])
                     scale = (w_row / sums)[:, None]  # [n, 1]
-                else:  # low precision: normalise first, so that no entry can overflow (fp16 < 65504)
-                    g = logits.mul_(1.0 / sums).scatter_add_(0, safe_t, -torch.ones_like(sums)[None])
-                    g, scale = g.to(h.dtype), w_row[:, None].to(h.dtype)
-                gh = grad_h[s:s + n]
-                torch.mm(g.t(), weight, out=gh)  # [n, d]
-                # in 16 bits the rows' weights 1 / count wait for backward, where the loss scale arrives: times
-                # 1 / count first, an fp16 gradient of a large batch falls below fp16's normal range
-                gh.mul_(scale if h.dtype == acc else ks[:, None].to(h.dtype))
-                if h.dtype == acc:
+                    torch.mm(g.t(), weight, out=gh).mul_(scale)  # [n, d]
                     grad_w.addmm_(g, hs * scale)  # [V, d]
                 else:
-                    grad_w.add_(g @ (hs * scale))
+                    # low precision: normalise first, so that no entry can overflow (fp16 < 65504). The mean's
+                    # 1 / count waits: in 16 bits it would put a large batch's gradients under the normal range
+                    # (grad_h takes it in backward, with the loss scale; grad_w in acc, below)
+                    g = logits.mul_(1.0 / sums).scatter_add_(0, safe_t, -torch.ones_like(sums)[None])  # acc
+                    keep_rows = ks[:, None]
+                    torch.mm(g.to(h.dtype).t(), weight, out=gh).mul_(keep_rows.to(h.dtype))  # [n, d]
+                    grad_w.addmm_(g, hs.to(acc) * keep_rows.to(acc))  # [V, d], the products in acc
+        if needs_grad and h.dtype != acc:
+            grad_w.div_(denom.clamp(min=1))
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if needs_grad else None)
         ctx.reduction = reduction
         # what grad_h still lacks (16 bits: the mean's 1 / count), applied in acc with the incoming gradient

@@ -125,13 +125,15 @@ def load_optimizer(path, optimizer, load=None) -> None:
     meta = read_checkpoint(path)["trainer_state"]["optimizer"]
     # how this optimizer runs on this device (fused or foreach kernels), chosen when it was built: a state
     # saved on another device would otherwise bring its own choice (a CPU save runs unfused on CUDA)
+    # (set in the state before it loads: torch places each state's step by the loaded groups' flags)
     how = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    state = _optimizer_from_flat(opt_tensors, meta)
+    for group, kept in zip(state.get("param_groups", []), how):
+        group.update(kept)
     try:
-        (load or optimizer.load_state_dict)(_optimizer_from_flat(opt_tensors, meta))
+        (load or optimizer.load_state_dict)(state)
     except (ValueError, KeyError) as e:
         raise ValueError(f"optimizer state in checkpoint {path} does not match this model: {e}") from None
-    for group, kept in zip(optimizer.param_groups, how):
-        group.update(kept)
 
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")

@@ -130,8 +130,6 @@ def test_module_feature_maps_are_trainable_submodules():
      ({"feature_map": 3}, TypeError, "feature_map'\\] must be one of"),
      ({"qk_dim": 0}, ValueError, "qk_dim"),
      ({"qk_dim": 2.5}, TypeError, "qk_dim"),
-     # signed features: the normaliser can vanish (outputs of 1e3 and more where elu gives 1)
-     ({"feature_map": "identity"}, ValueError, "identity' needs normalize=False"),
      # the layer sets num_heads from per_head and n_head
      ({"feature_map": "rebased", "feature_map_options": {"num_heads": 3}}, ValueError,
       r"for 'rebased' has unknown keys \['num_heads'\]")],
@@ -139,6 +137,13 @@ def test_module_feature_maps_are_trainable_submodules():
 def test_linear_bad_options(opts, err, match):
     with pytest.raises(err, match=match):
         get_attention("linear")(config(attention="linear", attention_options=opts))
+
+
+def test_identity_features_with_normalize_warn():
+    """Signed features: the normaliser can vanish (outputs of 1e3 and more where elu gives 1). A warning, so
+    that models saved with it still load."""
+    with pytest.warns(UserWarning, match="feature_map 'identity' with normalize=True"):
+        get_attention("linear")(config(attention="linear", attention_options={"feature_map": "identity"}))
 
 
 def test_softmax_takes_no_options():

@@ -31,10 +31,11 @@ def linear_attention_step(
     check_scalars(normalize, scale, eps)
     if log_decay is not None:
         check_log_decay(log_decay, B, None, H, q.device)
+    checked = None
     if (feature_map is None or isinstance(feature_map, str)) and feature_map in native_chunked.PHI_CODES \
             and state is not None:
         # a named element-wise map keeps q's width; then one fused call where nothing records gradients
-        S, z = check_state(state, B, H, Dk, Dv, compute_dtype(q.dtype), q.device, arg="state")
+        checked = S, z = check_state(state, B, H, Dk, Dv, compute_dtype(q.dtype), q.device, arg="state")
         if native_chunked.step_supports(q, k, v, log_decay, S, z, feature_map):
             o, S, z = native_chunked.step(q, k, v, log_decay, S, z, feature_map, normalize, scale, eps)
             return o, (S, z)
@@ -45,7 +46,7 @@ def linear_attention_step(
         S = torch.zeros(B, H, Fd, Dv, dtype=dtype, device=q.device)
         z = torch.zeros(B, H, Fd, dtype=dtype, device=q.device)
     else:
-        S, z = check_state(state, B, H, Fd, Dv, dtype, q.device, arg="state")
+        S, z = checked or check_state(state, B, H, Fd, Dv, dtype, q.device, arg="state")
     with autocast_off(q.device):  # the state and its readout in the state dtype under mixed precision too
         if log_decay is not None:
             g = log_decay.to(dtype).exp().expand(B, H)  # [B,H]

@@ -116,6 +116,8 @@ def step_supports(q, k, v, ld, S, z, feature_map) -> bool:
     """Whether ``step`` can run this decoding step: a named map with a kernel code, CPU tensors of one
     dtype (float32 or float64, the state's too) and nothing for autograd to record."""
     xs = (q, k, v, S, z) if ld is None else (q, k, v, S, z, ld)
+    if torch.compiler.is_compiling():  # a compiled step fuses the small ops itself, in one graph
+        return False
     return ((feature_map is None or isinstance(feature_map, str)) and feature_map in PHI_CODES and takes(*xs)
             and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
 
@@ -132,8 +134,8 @@ def step(q, k, v, ld, S, z, phi, normalize: bool, scale: float, eps: float):
     q, k, v, S, z = (x.contiguous() for x in (q, k, v, S, z))
     if ld is not None:
         ld = ld.contiguous()
-    o = torch.empty((B, H, Dv), dtype=q.dtype)
-    S_out, z_out = torch.empty_like(S), torch.empty_like(z)
+    o = empty((B, H, Dv), q)  # on the CPU whatever torch.set_default_device says: the kernel writes through it
+    S_out, z_out = empty(S.shape, S), empty(z.shape, z)
     a = StepArgs(ptr(q), ptr(k), ptr(v), ptr(ld), ptr(S), ptr(z), ptr(o), ptr(S_out), ptr(z_out), B, H, F, Dv,
                  int(ld is not None and ld.dim() == 2), PHI_CODES[phi], int(normalize), torch.get_num_threads(),
                  float(scale), float(eps))

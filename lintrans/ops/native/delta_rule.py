@@ -108,6 +108,8 @@ def step_supports(q, k, v, beta, ld, S) -> bool:
     """Whether ``step`` can run this decoding step: CPU tensors of one dtype (float32 or float64, the
     state's too) and nothing for autograd to record."""
     xs = (q, k, v, beta, S) if ld is None else (q, k, v, beta, S, ld)
+    if torch.compiler.is_compiling():  # a compiled step fuses the small ops itself, in one graph
+        return False
     return takes(*xs) and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
 
 
@@ -123,8 +125,8 @@ def step(q, k, v, beta, ld, S, l2: bool, scale: float):
     q, k, v, beta, S = (x.contiguous() for x in (q, k, v, beta, S))
     if ld is not None:
         ld = ld.contiguous()
-    o = torch.empty((B, H, Dv), dtype=q.dtype)
-    S_out = torch.empty_like(S)
+    o = empty((B, H, Dv), q)  # on the CPU whatever torch.set_default_device says: the kernel writes through it
+    S_out = empty(S.shape, S)
     a = DeltaStepArgs(ptr(q), ptr(k), ptr(v), ptr(beta), ptr(ld), ptr(S), ptr(o), ptr(S_out), B, H, Dk, Dv,
                       int(ld is not None and ld.dim() == 2), int(l2), torch.get_num_threads(), float(scale))
     call("lt_delta_step", q.dtype, a)
