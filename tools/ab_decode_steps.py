@@ -38,6 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000, help="calls timed per round")
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     info = machine_info()
     print(f"{info.get('cpu')} ({info.get('cpu_features')}), torch {torch.__version__}, {args.threads} thread(s), "
@@ -63,6 +64,7 @@ def main(argv=None) -> None:
                 fused, plain = best[name, "1"], best[name, "0"]
                 print(f"B={B} H={H} D={D} {name:18s} fused {fused:6.1f} us, PyTorch {plain:6.1f} us ({plain / fused:.2f}x)")
     finally:
+        torch.set_num_threads(threads)
         if before is None:
             os.environ.pop("LINTRANS_NATIVE", None)
         else:

@@ -261,8 +261,8 @@ def run_study(s: dict, out, *, jobs: int = 1, progress: bool = True, device: str
         runner, s["mechanisms"], lrs=s["lrs"], seeds=s["seeds"], points=s["shapes"],
         # a rate per shape: the rate chosen at width 64 left width 128 at chance (the first version-2 record)
         sweep_point=study.EACH_POINT,
-        # the rate of the best held-out accuracy, what the study reports (equal ones: the lower loss). By loss
-        # alone, 8 of 36 recorded choices missed the best accuracy: gated-linear 0.06 where 1e-3 gave 0.29
+        # the rate of the best held-out accuracy, what the study reports (equal ones: the lower loss); by loss
+        # alone the choice could miss it (docs/experiments.md)
         spec_for=lambda m, shape, lr, seed: run_spec(s, m, shape, lr, seed), score=_final_accuracy,
         maximize=True, tiebreak=_final_loss,
         fields=lambda shape: {"width": shape[0], "heads": shape[1]})

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.validation import FLOAT_DTYPES, autocast_off, check_bool, check_number, check_positive_int, check_qkv, compute_dtype
+from ..ops.validation import (FLOAT_DTYPES, autocast_off, check_bool, check_number, check_positive_int, check_tensor,
+                              compute_dtype)
 from ..ops.feature_maps import feature_dim_for, resolve_feature_map, squared_feature_dim, squared_features
 
 __all__ = [
@@ -254,14 +255,22 @@ def _causal_mask(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
-def _check_qk(q, k) -> None:
-    """q and k [B, T, H, D] of one shape: the weights' einsums would broadcast a batch or head of one."""
-    check_qkv(q, k, k)  # k as v: the checks of q and k (shape, dtype, device), none of v's can fail
+def _check_qk(q, k, causal: bool) -> None:
+    """q [B, Tq, H, D] and k [B, Tk, H, D] alike but for T (equal T when causal): the weights' einsums
+    would broadcast a batch or head of one."""
+    for name, x in (("q", q), ("k", k)):
+        check_tensor(name, x, 4, "[B, T, H, D]")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or (causal and q.shape[1] != k.shape[1]):
+        raise ValueError(f"q and k must have the same shape [B, T, H, D]{'' if causal else ' but for T'}, got "
+                         f"{list(q.shape)} and {list(k.shape)}")
+    if q.dtype != k.dtype or q.device != k.device:
+        raise TypeError(f"q and k must share one dtype and device, got {q.dtype} on {q.device} and {k.dtype} on "
+                        f"{k.device}")
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, feature_map, *, causal: bool = True) -> torch.Tensor:
     """The attention matrix of normalised linear attention: q, k [B, T, H, D] -> [B, H, T, T], rows sum to 1."""
-    _check_qk(q, k)
+    _check_qk(q, k, causal)
     phi_q, phi_k = resolve_feature_map(feature_map)
     a = torch.einsum("bihf,bjhf->bhij", phi_q(q), phi_k(k))  # [B,H,T,T]
     if causal:
@@ -273,7 +282,7 @@ def softmax_attention_weights(
     q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scale: Optional[float] = None
 ) -> torch.Tensor:
     """softmax(scale * q k^T) (scale defaults to 1/sqrt(D)): q, k [B, T, H, D] -> [B, H, T, T]."""
-    _check_qk(q, k)
+    _check_qk(q, k, causal)
     check_number("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale  # [B,H,T,T]

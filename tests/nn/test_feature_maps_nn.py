@@ -473,3 +473,26 @@ def test_check_attention_builds_for_real_where_the_meta_device_cannot(monkeypatc
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11, attention="linear",
                     attention_options={"feature_map": "performer", "feature_map_options": {"num_features": 8}})
     check_attention(cfg)
+
+
+def test_non_causal_weights_take_keys_of_another_length():
+    q, k = torch.randn(2, 3, 2, 4), torch.randn(2, 5, 2, 4)
+    assert attention_weights(q, k, "elu", causal=False).shape == (2, 2, 3, 5)
+    assert softmax_attention_weights(q, k, causal=False).shape == (2, 2, 3, 5)
+    with pytest.raises(ValueError, match="same shape"):
+        attention_weights(q, k, "elu")  # causal: one T
+    with pytest.raises(TypeError, match="q and k must share one dtype"):
+        softmax_attention_weights(q, k.double(), causal=False)
+
+
+def test_a_partial_load_leaves_the_draw_count_alone():
+    """A state_dict that holds nothing of a Performer (strict=False loads of other modules) reset its count
+    to 1, so that its next redraw repeated the first."""
+    p = Performer(6, 10, seed=3)
+    first = p.projection.clone()
+    p.redraw()
+    p.redraw()
+    p.load_state_dict({}, strict=False)
+    assert int(p.draws) == 3
+    p.redraw()
+    assert not torch.equal(p.projection, first)

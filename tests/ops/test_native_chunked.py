@@ -245,3 +245,32 @@ def test_decoding_steps_that_record_gradients_or_cannot_be_fused_keep_pytorch(mo
         linear_attention_step(q, k, v, wide, feature_map="based")
         linear_attention_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), state)  # 16-bit inputs
     assert calls == []
+
+
+@needs_native
+def test_decoding_steps_write_host_memory_whatever_the_default_device(monkeypatch):
+    """The fused steps' outputs were made on the default device: under set_default_device('meta') the kernel
+    wrote through a pointer to nothing (a segfault)."""
+    from lintrans.ops import delta_rule_step
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, state, _ = _step_inputs(1, 2, 4, 4, torch.float32, None, gen)
+    beta = torch.rand(1, 2, generator=gen)
+    calls = _step_calls(monkeypatch)
+    want = linear_attention_step(q, k, v, state)[0], delta_rule_step(q, k, v, beta, state[0])[0]
+    with torch.no_grad(), torch.device("meta"):
+        got = linear_attention_step(q, k, v, state)[0], delta_rule_step(q, k, v, beta, state[0])[0]
+    assert calls == [1, 1] and all(g.device.type == "cpu" for g in got)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@needs_native
+def test_decoding_steps_compile_as_one_graph():
+    """While torch.compile traces, the steps take the PyTorch ops (one graph), not the kernel (a graph break)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, state, _ = _step_inputs(1, 2, 4, 4, torch.float32, None, gen)
+    step = torch.compile(lambda q, k, v, S, z: linear_attention_step(q, k, v, (S, z))[0], backend="eager",
+                         fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(step(q, k, v, *state), linear_attention_step(q, k, v, state)[0])

@@ -432,7 +432,7 @@ int backward(const ChunkedArgs& a) {
 // One token of the recurrence, for decoding (linear_attention_step in lintrans/ops/linear/step.py, without
 // autograd): per (batch, head), with g = exp(ld) (1 without a decay), S' = g S + phi(k) v^T,
 // z' = g z + phi(k), o = (scale phi(q))^T S' / ((scale phi(q)) . z' + eps) (no division unless normalize).
-// One call instead of the ~18 small torch ops of that function, whose dispatch a token otherwise pays.
+// One call instead of that function's many small torch ops, whose dispatch a token otherwise pays.
 template <typename T>
 int step(const StepArgs& a) {
   const int64_t F = a.F, Dv = a.Dv, FE = F * Dv, n = a.B * a.H;

@@ -418,7 +418,7 @@ int backward(const DeltaArgs& a) {
 
 // One token of the recurrence, for decoding (delta_rule_step in lintrans/ops/delta/api.py, without autograd):
 // per (batch, head), with q, k L2-normalised (l2) and q scaled, g = exp(ld) (1 without a decay),
-// u = beta (v - g S^T k), S' = g S + k u^T, o = S'^T q. One call instead of ~15 small torch ops.
+// u = beta (v - g S^T k), S' = g S + k u^T, o = S'^T q. One call instead of that function's many small torch ops.
 template <typename T>
 int step(const DeltaStepArgs& a) {
   const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, n = a.B * a.H;
