@@ -315,6 +315,9 @@ def sliding_window_attention(
     B, T, H, Dk, Dv = check_qkv(q, k, v)
     _check_common(window, dilation, causal, scale)
     check_bool("global_rows", global_rows)
+    # every window past 2T + 1 covers every key (either way, any dilation): a huge one would overflow the
+    # PyTorch path's int64 masks (NaN at 2^63, OverflowError beyond), as the kernel's clamp to T avoids
+    window = min(window, 2 * T + 1)
     gidx = global_positions(global_tokens, T, q.device)
     scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = compute_dtype(q.dtype)

@@ -79,3 +79,46 @@ def test_sliding_window_wider_than_the_sequence_is_full_causal_attention(window)
     q, k, v = (torch.randn(1, 70, 2, 5, generator=_gen(i), dtype=F64) for i in range(3))
     torch.testing.assert_close(sliding_window_attention(q, k, v, window=window),
                                sliding_window_attention_reference(q, k, v, window=70), rtol=1e-12, atol=1e-12)
+
+
+def _t_stride_past_int(x):
+    """The same values with a size-1 T dimension whose stride does not fit in a C int (never stepped
+    along, so any value is a valid layout): BLAS took it as a leading dimension, rejected it and skipped
+    the product, leaving the output unwritten."""
+    return x.reshape(-1).clone().as_strided(x.shape, (x.shape[2] * x.shape[3], 2**31 + 16, x.shape[3], 1))
+
+
+@needs_native
+def test_a_t_stride_past_int_reaches_blas_as_a_copy(monkeypatch):
+    from lintrans.ops import delta_rule, sliding_window_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 2, 16, generator=g) for _ in range(3))
+    beta, do = torch.rand(1, 1, 2, generator=g), torch.randn(1, 1, 2, 16, generator=g)
+
+    def run():
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = sliding_window_attention(qq, _t_stride_past_int(kk), _t_stride_past_int(vv), window=4)
+        o.backward(_t_stride_past_int(do))
+        vd = v.clone().requires_grad_()
+        od, _ = delta_rule(q, k, vd, beta)
+        od.backward(_t_stride_past_int(do))
+        return o, qq.grad, kk.grad, vv.grad, od, vd.grad
+
+    native_out = run()
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    for a, b in zip(native_out, run()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_huge_window_covers_every_key_on_every_path(monkeypatch):
+    """The PyTorch path compared positions with the raw window: NaN at 2^63, OverflowError beyond; the
+    kernel clamps it. Any window past 2T + 1 reaches every key its dilation allows (the reference's)."""
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    monkeypatch.setenv("LINTRANS_NATIVE", "0")
+    for causal in (True, False):
+        for dilation in (1, 2):
+            want = sliding_window_attention_reference(q, k, v, window=17, dilation=dilation, causal=causal)
+            for window in (2**63, 10**30):
+                got = sliding_window_attention(q, k, v, window=window, dilation=dilation, causal=causal)
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

@@ -78,13 +78,16 @@ def last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+INT_MAX = 2**31 - 1
+
+
 def blas_rows(x: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D], or a contiguous copy where BLAS cannot read one head's [T, D] rows in place:
     it needs unit stride along D and rows at least D apart (a gradient broadcast along T has stride 0
     there, and BLAS rejects such a leading dimension, skipping the product). A copy, not
     ``contiguous()``: torch calls a tensor contiguous whatever the strides of its size-1 dimensions, so
     at T = 1 that could hand back the same bad T-stride."""
-    ok = x.stride(-1) == 1 and x.stride(1) >= x.shape[-1]
+    ok = x.stride(-1) == 1 and x.shape[-1] <= x.stride(1) <= INT_MAX  # BLAS takes an int leading dimension
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 

@@ -267,7 +267,7 @@ int forward(const ChunkedArgs& a) {
     Buffers<T> w(c, F, E);
     Chunk<T> ch(c, F, E);
     Buf<T> S((r.hi - r.lo) * FE);  // each head's state
-    std::memcpy(S.data(), static_cast<const T*>(a.S0) + r.lo * FE, S.size() * sizeof(T));
+    std::copy_n(static_cast<const T*>(a.S0) + r.lo * FE, S.size(), S.data());  // not memcpy: an empty range has no buffer
     for (int64_t m = 0; m < nck; ++m) {
       const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
       for (int64_t bh = r.lo; bh < r.hi; ++bh) {
@@ -277,7 +277,7 @@ int forward(const ChunkedArgs& a) {
         forward_chunk(a, w, ch, bh / a.H, bh % a.H, t0, cl, Sh);
       }
     }
-    std::memcpy(static_cast<T*>(a.S_end) + r.lo * FE, S.data(), S.size() * sizeof(T));
+    std::copy_n(S.data(), S.size(), static_cast<T*>(a.S_end) + r.lo * FE);
     store_fence();
   });
   return status.get();
@@ -397,7 +397,7 @@ int backward(const ChunkedArgs& a) {
     Buf<T> X(nh * (a.ckpt + 1) * FE), dS(nh * FE);  // per head: the states of a stretch; dS
     // per head, the loaded chunks of a stretch: read and mapped once, for both of its passes
     std::vector<Chunk<T>> held(nh * a.ckpt, Chunk<T>(c, F, E));
-    std::memcpy(dS.data(), static_cast<const T*>(a.dS_end) + r.lo * FE, dS.size() * sizeof(T));
+    std::copy_n(static_cast<const T*>(a.dS_end) + r.lo * FE, dS.size(), dS.data());
     for (int64_t p = ncp - 1; p >= 0; --p) {
       const int64_t m0 = p * a.ckpt, m1 = std::min(m0 + a.ckpt, nck);
       // the state before each chunk of this stretch (and after its last), from the saved one
@@ -423,7 +423,7 @@ int backward(const ChunkedArgs& a) {
         }
       }
     }
-    std::memcpy(static_cast<T*>(a.dS0) + r.lo * FE, dS.data(), dS.size() * sizeof(T));
+    std::copy_n(dS.data(), dS.size(), static_cast<T*>(a.dS0) + r.lo * FE);
     store_fence();
   });
   return status.get();

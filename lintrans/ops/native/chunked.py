@@ -87,10 +87,11 @@ def backward(q, k, v, ld, o, den, states, do, dS_end, chunk: int, phi, normalize
     dld = empty((B, T, H), q) if need_dld else None
     Dv, nck = v.shape[-1], -(-T // chunk)
     require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
-    require(o.shape == (B, T, H, Dv) and o.is_contiguous(), "o must be forward's output")
-    require(states.shape == (B, H, -(-nck // CHECKPOINT_CHUNKS), F, Dv + 1) and states.is_contiguous(),
-            "states must be forward's, for the same chunk size")
-    require(not normalize or (den is not None and den.shape == (B, T, H) and den.is_contiguous()),
+    require(o.shape == (B, T, H, Dv) and o.is_contiguous() and o.dtype == q.dtype, "o must be forward's output")
+    require(states.shape == (B, H, -(-nck // CHECKPOINT_CHUNKS), F, Dv + 1) and states.is_contiguous()
+            and states.dtype == q.dtype, "states must be forward's, for the same chunk size")
+    require(not normalize or (den is not None and den.shape == (B, T, H) and den.is_contiguous()
+                              and den.dtype == q.dtype),
             "den must be forward's [B, T, H] when normalize")
     require(not need_dld or ld is not None, "need_dld without a log_decay")
     dS_end = dS_end.contiguous()
@@ -131,6 +132,9 @@ def step(q, k, v, ld, S, z, phi, normalize: bool, scale: float, eps: float):
             f"q, k [B, H, F], v [B, H, Dv], S [B, H, F, Dv], z [B, H, F] expected, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(S.shape)}, {tuple(z.shape)}")
     require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
+    require(q.dtype in (torch.float32, torch.float64)
+            and all(x.dtype == q.dtype for x in (k, v, S, z, *(() if ld is None else (ld,)))),
+            "q, k, v, the state and log_decay must share one dtype, float32 or float64")
     q, k, v, S, z = (x.contiguous() for x in (q, k, v, S, z))
     if ld is not None:
         ld = ld.contiguous()

@@ -16,10 +16,13 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -105,16 +108,21 @@ inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n
 }
 
 // Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K]: BLAS is column-major, so it computes C^T.
+// BLAS takes int sizes: one past INT_MAX would be rejected (BLAS prints an error and skips the product,
+// leaving C unwritten), so it throws instead, which the kernel's Status turns into an error.
 template <typename T>
-void gemm(bool tA, bool tB, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
-          int ldc) {
+void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
+          int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (std::max({M, N, K, lda, ldb, ldc}) > int64_t(INT_MAX)) throw std::length_error("BLAS size past INT_MAX");
+  const int m = int(M), n = int(N), k = int(K), la = int(lda), lb = int(ldb), lc = int(ldc);
   const char a = tA ? 'T' : 'N', b = tB ? 'T' : 'N';
-  blas_gemm(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+  blas_gemm(&b, &a, &n, &m, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
 }
 
 // The same with alpha = 1
 template <typename T>
-void gemm(bool tA, bool tB, int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C, int ldc) {
+void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+          T beta, T* C, int64_t ldc) {
   gemm<T>(tA, tB, M, N, K, T(1), A, lda, B, ldb, beta, C, ldc);
 }
 

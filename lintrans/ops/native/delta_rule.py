@@ -82,7 +82,8 @@ def backward(q, k, v, beta, ld, u, states, do, dS_end, chunk: int, l2: bool, sca
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     require(do.shape == (B, T, H, Dv), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
-    require(states.shape == _states_shape(q, v, chunk) and states.is_contiguous(), "states must be forward's")
+    require(states.shape == _states_shape(q, v, chunk) and states.is_contiguous() and states.dtype == q.dtype,
+            "states must be forward's")
     require(u.shape == (B, H, T, Dv) and u.is_contiguous() and u.dtype == q.dtype, "u must be forward's")
     dS_end = dS_end.to(q.dtype).contiguous()
     require(dS_end.shape == (B, H, Dk, Dv), "dS_end must be [B, H, Dk, Dv]")
@@ -122,6 +123,9 @@ def step(q, k, v, beta, ld, S, l2: bool, scale: float):
             f"q, k [B, H, Dk], v [B, H, Dv], beta [B, H], S [B, H, Dk, Dv] expected, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(beta.shape)}, {tuple(S.shape)}")
     require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
+    require(q.dtype in (torch.float32, torch.float64)
+            and all(x.dtype == q.dtype for x in (k, v, beta, S, *(() if ld is None else (ld,)))),
+            "q, k, v, beta, the state and log_decay must share one dtype, float32 or float64")
     q, k, v, beta, S = (x.contiguous() for x in (q, k, v, beta, S))
     if ld is not None:
         ld = ld.contiguous()

@@ -64,8 +64,8 @@ def backward(q, k, v, o, lse, do, window: int, scale: float):
     a = _args(q, k, v, window, scale)
     B, T, H, _ = q.shape
     require(do.shape == (B, T, H, v.shape[-1]), f"do must be [B, T, H, Dv], got {tuple(do.shape)}")
-    require(o.shape == do.shape and o.is_contiguous() and lse.shape == (B, H, T) and lse.is_contiguous(),
-            "o and lse must be forward's")
+    require(o.shape == do.shape and o.is_contiguous() and lse.shape == (B, H, T) and lse.is_contiguous()
+            and o.dtype == lse.dtype == q.dtype, "o and lse must be forward's")
     a.o, a.lse, a.dout = ptr(o), ptr(lse), ptr(do)
     a.sdo = strides(do)
     a.dq, a.dk, a.dv = ptr(dq), ptr(dk), ptr(dv)
