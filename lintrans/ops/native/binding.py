@@ -91,6 +91,27 @@ def blas_rows(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
+def step_operands(tensors: dict, ld: Optional[torch.Tensor], B: int, H: int):
+    """The one-token kernels' operands (``tensors``, by name, q first), checked and contiguous, and the
+    decay: (contiguous tensors in order, ld or None, ld_batch: 1 where ld is [B, H], 0 for [H])."""
+    names, xs = list(tensors), list(tensors.values())
+    require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
+    require(xs[0].dtype in (torch.float32, torch.float64)
+            and all(x.dtype == xs[0].dtype for x in xs[1:] + ([] if ld is None else [ld])),
+            f"{', '.join(names)} and log_decay must share one dtype, float32 or float64")
+    return ([x.contiguous() for x in xs], None if ld is None else ld.contiguous(),
+            int(ld is not None and ld.dim() == 2))
+
+
+def step_supports(xs, extra: bool = True) -> bool:
+    """Whether a one-token kernel can run on ``xs`` (``extra``: the op's own conditions): CPU tensors of
+    one dtype, float32 or float64, nothing for autograd to record, and not while torch.compile traces
+    (a compiled step fuses the small ops itself, in one graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    return extra and takes(*xs) and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+
+
 def require(ok: bool, message: str) -> None:
     """A binding's precondition: what the kernel would otherwise read or write out of bounds. An
     explicit raise, not ``assert``, which ``python -O`` strips."""

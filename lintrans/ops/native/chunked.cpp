@@ -452,7 +452,7 @@ int step(const StepArgs& a) {
       T* So = static_cast<T*>(a.S_out) + bh * FE;
       T* zo = static_cast<T*>(a.z_out) + bh * F;
       T* o = static_cast<T*>(a.o) + bh * Dv;
-      const T g = a.ld ? T(std::exp(static_cast<const T*>(a.ld)[a.ld_batch ? bh : bh % a.H])) : T(1);
+      const T g = step_decay<T>(a.ld, a.ld_batch, bh, a.H);
       T den = 0;
       std::fill_n(o, Dv, T(0));
       for (int64_t f = 0; f < F; ++f) {

@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from . import eager_only
+from . import binding, eager_only
 from .binding import I3, P, call, empty, last_contiguous, ptr, require, strides, takes
 
 # named feature maps the kernel applies itself (the codes of chunked.cpp's Phi)
@@ -116,11 +116,8 @@ class StepArgs(ctypes.Structure):
 def step_supports(q, k, v, ld, S, z, feature_map) -> bool:
     """Whether ``step`` can run this decoding step: a named map with a kernel code, CPU tensors of one
     dtype (float32 or float64, the state's too) and nothing for autograd to record."""
-    xs = (q, k, v, S, z) if ld is None else (q, k, v, S, z, ld)
-    if torch.compiler.is_compiling():  # a compiled step fuses the small ops itself, in one graph
-        return False
-    return ((feature_map is None or isinstance(feature_map, str)) and feature_map in PHI_CODES and takes(*xs)
-            and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)))
+    named = (feature_map is None or isinstance(feature_map, str)) and feature_map in PHI_CODES
+    return binding.step_supports((q, k, v, S, z) if ld is None else (q, k, v, S, z, ld), named)
 
 
 @eager_only
@@ -131,18 +128,11 @@ def step(q, k, v, ld, S, z, phi, normalize: bool, scale: float, eps: float):
     require(k.shape == q.shape and v.shape == (B, H, Dv) and S.shape == (B, H, F, Dv) and z.shape == (B, H, F),
             f"q, k [B, H, F], v [B, H, Dv], S [B, H, F, Dv], z [B, H, F] expected, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(S.shape)}, {tuple(z.shape)}")
-    require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
-    require(q.dtype in (torch.float32, torch.float64)
-            and all(x.dtype == q.dtype for x in (k, v, S, z, *(() if ld is None else (ld,)))),
-            "q, k, v, the state and log_decay must share one dtype, float32 or float64")
-    q, k, v, S, z = (x.contiguous() for x in (q, k, v, S, z))
-    if ld is not None:
-        ld = ld.contiguous()
+    (q, k, v, S, z), ld, ld_batch = binding.step_operands(dict(q=q, k=k, v=v, S=S, z=z), ld, B, H)
     o = empty((B, H, Dv), q)  # on the CPU whatever torch.set_default_device says: the kernel writes through it
     S_out, z_out = empty(S.shape, S), empty(z.shape, z)
     a = StepArgs(ptr(q), ptr(k), ptr(v), ptr(ld), ptr(S), ptr(z), ptr(o), ptr(S_out), ptr(z_out), B, H, F, Dv,
-                 int(ld is not None and ld.dim() == 2), PHI_CODES[phi], int(normalize), torch.get_num_threads(),
-                 float(scale), float(eps))
+                 ld_batch, PHI_CODES[phi], int(normalize), torch.get_num_threads(), float(scale), float(eps))
     call("lt_linear_step", q.dtype, a)
     return o, S_out, z_out
 

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <new>
@@ -170,6 +171,12 @@ struct SequentialBlas {
 // The calling thread's contiguous range of (batch, head) pairs: a chunk's rows of those heads lie
 // side by side in [B, T, H, D], so a thread that walks all of its heads at each position reads
 // memory in order (one head at a time would jump H * D elements per row).
+// A one-token step's decay for (batch, head) pair bh: exp(ld), ld [B, H] (ld_batch) or [H]; 1 without one
+template <typename T>
+inline T step_decay(const void* ld, int64_t ld_batch, int64_t bh, int64_t H) {
+  return ld ? T(std::exp(static_cast<const T*>(ld)[ld_batch ? bh : bh % H])) : T(1);
+}
+
 struct HeadRange {
   int64_t lo, hi;
   explicit HeadRange(int64_t BH) {

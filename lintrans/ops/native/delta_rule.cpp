@@ -435,7 +435,7 @@ int step(const DeltaStepArgs& a) {
       const T* S = static_cast<const T*>(a.S) + bh * KV;
       T* So = static_cast<T*>(a.S_out) + bh * KV;
       T* o = static_cast<T*>(a.o) + bh * Dv;
-      const T g = a.ld ? T(std::exp(static_cast<const T*>(a.ld)[a.ld_batch ? bh : bh % a.H])) : T(1);
+      const T g = step_decay<T>(a.ld, a.ld_batch, bh, a.H);
       const T beta = static_cast<const T*>(a.beta)[bh];
       std::fill_n(u.data(), Dv, T(0));
       for (int64_t i = 0; i < Dk; ++i) {  // u = S^T k, row by row

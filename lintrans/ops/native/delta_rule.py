@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from . import eager_only
+from . import binding, eager_only
 from .binding import I3, P, blas_rows, call, empty, last_contiguous, ptr, require, strides, takes
 
 
@@ -108,10 +108,7 @@ class DeltaStepArgs(ctypes.Structure):
 def step_supports(q, k, v, beta, ld, S) -> bool:
     """Whether ``step`` can run this decoding step: CPU tensors of one dtype (float32 or float64, the
     state's too) and nothing for autograd to record."""
-    xs = (q, k, v, beta, S) if ld is None else (q, k, v, beta, S, ld)
-    if torch.compiler.is_compiling():  # a compiled step fuses the small ops itself, in one graph
-        return False
-    return takes(*xs) and not (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+    return binding.step_supports((q, k, v, beta, S) if ld is None else (q, k, v, beta, S, ld))
 
 
 @eager_only
@@ -122,17 +119,11 @@ def step(q, k, v, beta, ld, S, l2: bool, scale: float):
     require(k.shape == q.shape and v.shape == (B, H, Dv) and beta.shape == (B, H) and S.shape == (B, H, Dk, Dv),
             f"q, k [B, H, Dk], v [B, H, Dv], beta [B, H], S [B, H, Dk, Dv] expected, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(beta.shape)}, {tuple(S.shape)}")
-    require(ld is None or tuple(ld.shape) in ((B, H), (H,)), "log_decay must be [B, H] or [H]")
-    require(q.dtype in (torch.float32, torch.float64)
-            and all(x.dtype == q.dtype for x in (k, v, beta, S, *(() if ld is None else (ld,)))),
-            "q, k, v, beta, the state and log_decay must share one dtype, float32 or float64")
-    q, k, v, beta, S = (x.contiguous() for x in (q, k, v, beta, S))
-    if ld is not None:
-        ld = ld.contiguous()
+    (q, k, v, beta, S), ld, ld_batch = binding.step_operands(dict(q=q, k=k, v=v, beta=beta, S=S), ld, B, H)
     o = empty((B, H, Dv), q)  # on the CPU whatever torch.set_default_device says: the kernel writes through it
     S_out = empty(S.shape, S)
     a = DeltaStepArgs(ptr(q), ptr(k), ptr(v), ptr(beta), ptr(ld), ptr(S), ptr(o), ptr(S_out), B, H, Dk, Dv,
-                      int(ld is not None and ld.dim() == 2), int(l2), torch.get_num_threads(), float(scale))
+                      ld_batch, int(l2), torch.get_num_threads(), float(scale))
     call("lt_delta_step", q.dtype, a)
     return o, S_out
 
