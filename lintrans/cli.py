@@ -42,13 +42,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extras: list[str]) -> None:
-    """Exit with the subcommand's usage and, for each unknown flag, the closest known one: a typo
-    (``--train.max_step``) names the key it meant, as ``--set`` and config files do."""
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, extras: list[str],
+                  argv: list[str] = ()) -> None:
+    """Exit with the (innermost) subcommand's usage and, for each unknown flag, the closest known one: a
+    typo (``--train.max_step``) names the key it meant, as ``--set`` and config files do."""
     import difflib
 
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     target = sub.choices[command] if sub is not None and command in sub.choices else parser
+    words = [a for a in argv if not a.startswith("-")]
+    while (inner := next((a for a in target._actions if isinstance(a, argparse._SubParsersAction)), None)) \
+            and (name := next((w for w in words if w in inner.choices), None)):  # e.g. experiment recall
+        target = inner.choices[name]
     known = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
     hints = []
     for word in extras:
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = _nested_keys(parser, command, argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
-        _unrecognized(parser, command, extras)
+        _unrecognized(parser, command, extras, argv)
     if args.command is None:
         parser.print_help()
         return 0

@@ -284,6 +284,11 @@ def test_a_misspelt_flag_names_the_closest_key(capsys):
         main(["train", "--zzzzzz", "--print-config"])
     err = capsys.readouterr().err
     assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+    # a study's flag: the study's usage and flags, not the experiment command's
+    with pytest.raises(SystemExit):
+        main(["experiment", "recall", "--jbos", "2"])
+    err = capsys.readouterr().err
+    assert "usage: lintrans experiment recall" in err and "--jbos: did you mean --jobs?" in err
 
 
 def test_demo_writes_its_record_to_a_folder_it_names(tmp_path, monkeypatch, capsys):
