@@ -8,7 +8,8 @@ import sys
 import torch
 
 from lintrans.checks import check_positive_int
-from lintrans.ops.chunk_tuning import cache_file, cache_key, load_cache, store, t_bucket, tune_chunk_size, tuned_dtype
+from lintrans.ops.chunk_tuning import (cache_file, cache_key, load_cache, store, t_bucket, tune_chunk_size, tuned_dtype,
+                                       valid_entry)
 
 from .sizes import feature_dim_of
 
@@ -45,14 +46,14 @@ def run(args) -> int:
         print(f"lintrans tune: --feature-map: {e}", file=sys.stderr)
         return 2
     if tuned_dtype(dtype, args.device) != dtype:  # tuning the dtype nothing looks up would be wasted
-        print(f"{args.dtype} is computed in float32 on the CPU: tuning for float32", file=sys.stderr)
+        print(f"{args.dtype} inputs are computed in float32: tuning for float32", file=sys.stderr)
         dtype = tuned_dtype(dtype, args.device)
     print(f"cache: {cache_file()}")
     print(f"{'T bucket':>9} {'best':>5}  seconds per forward+backward by chunk size")
     for T in args.T:
         key = cache_key(args.device, dtype, args.head_dim, F, T, args.gated)
         entry = None if args.force else load_cache().get(key)
-        if entry is None:
+        if not valid_entry(entry):  # none yet, or hand-edited or foreign: measured
             entry = store(key, *tune_chunk_size(T, args.head_dim, F, dtype, args.device, gated=args.gated))
             note = ""
         else:

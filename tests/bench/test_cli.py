@@ -35,7 +35,7 @@ def test_tune_of_a_16_bit_dtype_on_the_cpu_tunes_what_is_looked_up(capsys, monke
     calls = []
     monkeypatch.setattr(tune, "measure_candidate", lambda c, *a, **k: calls.append(c) or float(c))
     assert main(["tune", "--T", "100", "--head-dim", "8", "--dtype", "bfloat16"]) == 0
-    assert "computed in float32 on the CPU" in capsys.readouterr().err
+    assert "inputs are computed in float32" in capsys.readouterr().err
     assert tune.auto_chunk_size(100, 8, 8, torch.bfloat16) == 32 and calls == [32, 64, 128]  # no second tuning
     assert [k.split("|")[1] for k in json.loads((tmp_path / "chunk_size.json").read_text())] == ["float32"]
 

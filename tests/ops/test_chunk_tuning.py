@@ -1,5 +1,8 @@
 """chunk_size="auto": measured once per shape class, then served from the on-disk cache."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ def counted(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "_memo", {})
     calls = []
 
-    def fake(chunk, q, k, v, log_decay=None, repeats=3):
+    def fake(chunk, q, k, v, log_decay=None, repeats=3, form="chunked"):
         calls.append(chunk if log_decay is None else ("gated", chunk))
         return abs(chunk - 32) + 1.0
 
@@ -140,3 +143,47 @@ def test_a_cpu_entry_names_the_vector_features():
 
     key = tune.cache_key("cpu", torch.float32, 64, 64, 4096)
     assert f"[{cpu_vector_features().replace(' ', ',')}]" in key
+
+
+def test_the_key_names_the_path_form_and_torch_that_the_chunk_was_measured_on(monkeypatch, counted):
+    """A chunk measured on the fused kernel was reused by calls the kernel cannot run (the based map, other
+    forms), and across torch versions."""
+    calls = counted
+    seen = []
+    monkeypatch.setattr(tune, "measure_candidate",
+                        lambda c, q, k, v, ld=None, repeats=3, form="chunked":
+                        seen.append((form, os.environ.get("LINTRANS_NATIVE")))
+                        or abs(c - 32) + 1.0)
+    keys = {tune.cache_key("cpu", torch.float32, 8, 8, 64, kernel=True),
+            tune.cache_key("cpu", torch.float32, 8, 8, 64, kernel=False),
+            tune.cache_key("cpu", torch.float32, 8, 8, 64, form="attention_blocked", kernel=False)}
+    assert len(keys) == 3 and all(f"torch{torch.__version__}" in k for k in keys)
+    tune.auto_chunk_size(64, 8, 8, kernel=False)
+    assert seen and all(native == "0" for _, native in seen)  # timed on the PyTorch blocks
+    seen.clear()
+    tune.auto_chunk_size(64, 8, 8, form="attention_blocked", kernel=False)
+    assert seen and all(form == "attention_blocked" for form, _ in seen)
+    assert calls == []
+
+
+def test_tune_remeasures_a_damaged_entry_and_an_unwritable_cache_only_warns(monkeypatch, tmp_path, counted, capsys):
+    from lintrans.cli import main
+
+    key = tune.cache_key("cpu", torch.float32, 8, 8, 100)
+    (tmp_path / "chunk_size.json").write_text(json.dumps({key: {"chunk_size": 64}}))  # no seconds
+    assert main(["tune", "--T", "100", "--head-dim", "8"]) == 0
+    assert "(cached)" not in capsys.readouterr().out
+    monkeypatch.setattr(tune, "_memo", {})
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("LINTRANS_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        assert tune.auto_chunk_size(100, 8, 8) == 32
+
+
+def test_processes_storing_at_once_keep_every_entry(tmp_path):
+    code = ("import sys; from lintrans.ops import chunk_tuning as t\n"
+            "for i in range(15): t.save_entry(f'{sys.argv[1]}{i}', {'chunk_size': 32, 'seconds': {}})")
+    env = {**os.environ, "LINTRANS_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, name], env=env) for name in "ab"]
+    assert [p.wait() for p in procs] == [0, 0]
+    assert len(json.loads((tmp_path / "chunk_size.json").read_text())) == 30

@@ -27,7 +27,6 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
         phi, (q, k) = None, featurize(q, k, feature_map, 1.0)
         Fd = q.shape[-1]
     dphi = OUTPUT_DERIVATIVES.get(feature_map) if phi is not None else None
-    chunk = min(resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None), T)
     S0 = state0(initial_state, B, H, Fd, Dv, dtype, q.device)
     ld = None
     if log_decay is not None:
@@ -42,6 +41,9 @@ def _chunked_attention(q, k, v, feature_map, chunk_size, normalize, scale, eps, 
         q, k, v = up
     else:
         native = None
+    # "auto": the chunk measured on the path this call takes (the kernel's and the blocks' differ)
+    chunk = min(resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None,
+                              kernel=(native is not None) if q.device.type == "cpu" else None), T)
     cfg = Chunked(phi, dphi, scale, chunk, chunks_per_block(q.device, B * H, chunk, T // chunk), normalize, eps,
                    dtype, v.dtype, native)
     o, S_end = ChunkedAttention.apply(q, k, v, ld, S0, cfg)
@@ -120,7 +122,7 @@ def linear_attention(
         fq, fk = (x.transpose(1, 2) for x in featurize(q, k, feature_map, scale))  # [B,H,T,F]
     dtype = fq.dtype
     Fd = fq.shape[-1]
-    chunk_size = resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None)
+    chunk_size = resolve_chunk(chunk_size, T, Dv, Fd, dtype, q.device, log_decay is not None, form=form, kernel=False)
     S0 = state0(initial_state, B, H, Fd, Dv, dtype, q.device)
     # the extra column of ones carries the normaliser: y[..., -1] = sum_j s_ij, S0[..., -1] = z
     # built directly in the [B,H,T,Dv+1] layout the forms use: one copy of v instead of two

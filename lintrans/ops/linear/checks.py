@@ -81,11 +81,12 @@ def log_decay_head_first(log_decay, B: int, T: int, H: int, dtype) -> torch.Tens
     return log_decay.to(dtype).transpose(1, 2)
 
 
-def resolve_chunk(chunk_size, T: int, Dv: int, Fd: int, dtype, device, gated: bool) -> int:
-    if chunk_size == "auto":  # measured once per shape class, then read from the on-disk cache
+def resolve_chunk(chunk_size, T: int, Dv: int, Fd: int, dtype, device, gated: bool, form: str = "chunked",
+                  kernel: Optional[bool] = None) -> int:
+    if chunk_size == "auto":  # measured once per shape class (form, path), then read from the on-disk cache
         from ..chunk_tuning import auto_chunk_size
 
-        return auto_chunk_size(T, Dv, Fd, dtype, device, gated=gated)
+        return auto_chunk_size(T, Dv, Fd, dtype, device, gated=gated, form=form, kernel=kernel)
     return chunk_size
 
 
