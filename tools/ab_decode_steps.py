@@ -15,7 +15,7 @@ import time
 import torch
 
 from lintrans.bench.machine import machine_info
-from lintrans.ops import delta_rule_step, linear_attention_step
+from lintrans.ops import delta_rule_step, linear_attention_step, native
 
 
 def cases(B: int, H: int, D: int) -> dict:
@@ -43,32 +43,27 @@ def main(argv=None) -> None:
     info = machine_info()
     print(f"{info.get('cpu')} ({info.get('cpu_features')}), torch {torch.__version__}, {args.threads} thread(s), "
           f"load average {os.getloadavg()[0]:.2f}")
-    before = os.environ.get("LINTRANS_NATIVE")
     try:
         for shape in ((1, 4, 32), (1, 12, 64)):
             best: dict = {}
             with torch.no_grad():
                 for _ in range(args.rounds):
-                    for native in ("1", "0"):
-                        os.environ["LINTRANS_NATIVE"] = native
-                        for name, fn in cases(*shape).items():
-                            for _ in range(100):
-                                fn()
-                            t = time.perf_counter()
-                            for _ in range(args.calls):
-                                fn()
-                            us = (time.perf_counter() - t) / args.calls * 1e6
-                            best[name, native] = min(us, best.get((name, native), float("inf")))
+                    for fused in (True, False):
+                        with native.disabled(not fused):
+                            for name, fn in cases(*shape).items():
+                                for _ in range(100):
+                                    fn()
+                                t = time.perf_counter()
+                                for _ in range(args.calls):
+                                    fn()
+                                us = (time.perf_counter() - t) / args.calls * 1e6
+                                best[name, fused] = min(us, best.get((name, fused), float("inf")))
             B, H, D = shape
             for name in cases(*shape):
-                fused, plain = best[name, "1"], best[name, "0"]
+                fused, plain = best[name, True], best[name, False]
                 print(f"B={B} H={H} D={D} {name:18s} fused {fused:6.1f} us, PyTorch {plain:6.1f} us ({plain / fused:.2f}x)")
     finally:
         torch.set_num_threads(threads)
-        if before is None:
-            os.environ.pop("LINTRANS_NATIVE", None)
-        else:
-            os.environ["LINTRANS_NATIVE"] = before
 
 
 if __name__ == "__main__":

@@ -72,15 +72,8 @@ def _op(name: str, chunk_size: int, window: int) -> Callable:
 
 def _pytorch_path(fn: Callable) -> Callable:
     def run(*args):
-        before = os.environ.get("LINTRANS_NATIVE")
-        os.environ["LINTRANS_NATIVE"] = "0"
-        try:
+        with native.disabled():
             return fn(*args)
-        finally:
-            if before is None:
-                del os.environ["LINTRANS_NATIVE"]
-            else:
-                os.environ["LINTRANS_NATIVE"] = before
     return run
 
 

@@ -430,7 +430,8 @@ def save_model(model: GPT, folder, extra_config: Optional[dict] = None, state: O
 MODEL_FORMAT = 1
 
 
-def _check_format(path: Path, cfg: dict) -> None:
+def check_model_format(path: Path, cfg: dict) -> None:
+    """ValueError where the config.json in folder ``path`` is of a later save format than MODEL_FORMAT."""
     fmt = cfg.get("lintrans_format", 1)
     if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
         raise ValueError(f"{path / 'config.json'}: lintrans_format must be an int >= 1, got {fmt!r}")
@@ -484,7 +485,7 @@ def load_model(path, **overrides) -> GPT:
     inner = _lintrans_config(cfg)
     if inner is None:
         return load_hf(path, **overrides)
-    _check_format(path, cfg)
+    check_model_format(path, cfg)
     _check_same_save(path, cfg)
     try:
         config = GPTConfig.from_dict(inner)

@@ -8,10 +8,8 @@ The cache is ``chunk_size.json`` in ``lintrans._platform.cache_dir()``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -21,6 +19,8 @@ import torch
 
 from lintrans._io import FileLock, atomic_write_text
 from lintrans._platform import cache_dir, cpu_model, cpu_vector_features
+
+from . import native
 
 CANDIDATES = (32, 64, 128, 256)  # 16 and 512 lost at every T tried on the benchmark CPU; fewer = cheaper
 MAX_BUCKET = 16384  # longer contexts reuse the 16k choice: the best chunk stops depending on T
@@ -44,9 +44,7 @@ def device_name(device, kernel: Optional[bool] = None) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}:torch{torch.__version__}"
     if device.type == "cpu":  # the fused kernel (ops/native) and the PyTorch blocks prefer different chunks
-        from .native import active
-
-        path = ":native" if (active() if kernel is None else kernel) else ""
+        path = ":native" if (native.active() if kernel is None else kernel) else ""
         # the vector features too: one model name covers CPUs with and without AVX-512 (cloud VMs),
         # whose best chunks differ, and a home folder may be shared between them
         features = cpu_vector_features().replace(" ", ",")
@@ -131,25 +129,10 @@ def tune_chunk_size(T: int, head_dim: int, feature_dim: int, dtype=torch.float32
         q, k = (torch.rand(*shape, feature_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
         v = torch.randn(*shape, head_dim, generator=g).to(device, dtype).requires_grad_()
         ld = -torch.rand(*shape, generator=g).to(device, dtype).requires_grad_() if gated else None  # [1,T,H]
-        with _kernel_off(kernel is False and torch.device(device).type == "cpu"):
+        # the kernel off where the call cannot take it: the stand-in inputs would take it otherwise
+        with native.disabled(kernel is False and torch.device(device).type == "cpu"):
             timings = {c: measure_candidate(c, q, k, v, ld, repeats, form) for c in cands}
     return min(timings, key=timings.get), timings
-
-
-@contextlib.contextmanager
-def _kernel_off(off: bool):
-    """LINTRANS_NATIVE=0 while ``off``: the stand-in inputs would take the kernel the call cannot."""
-    before = os.environ.get("LINTRANS_NATIVE")
-    if off:
-        os.environ["LINTRANS_NATIVE"] = "0"
-    try:
-        yield
-    finally:
-        if off:
-            if before is None:
-                os.environ.pop("LINTRANS_NATIVE", None)
-            else:
-                os.environ["LINTRANS_NATIVE"] = before
 
 
 def tuned_dtype(dtype: torch.dtype, device) -> torch.dtype:

@@ -36,6 +36,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_grad else None
         # mean over the rows that count; an all-ignored batch gives nan, as F.cross_entropy does
         denom = count.to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=h.device)
+        # each counted row's weight in the gradient: ignored rows get none; an all-ignored batch none at all
+        # (its loss is nan, its gradient 0, as F.cross_entropy's), not 0 / 0
+        row_weight = 1.0 / denom.clamp(min=1)
         # the logits chunk is kept transposed, [V, n]: W @ h^T runs faster than h @ W^T on CPU
         buf = torch.empty(weight.shape[0] * min(chunk_rows, N), dtype=acc, device=h.device)
         for s in range(0, N, chunk_rows):
@@ -53,13 +56,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sums = logits.exp_().sum(dim=0)  # [n]
             per_row[s:s + n] = torch.where(ks, sums.log() - picked, 0.0)
             if needs_grad:
-                # ignored rows get no gradient; an all-ignored batch none at all (its loss is nan, its
-                # gradient 0, as F.cross_entropy's), not 0 / 0
                 gh = grad_h[s:s + n]
                 if h.dtype == acc:
                     # exp - sums * onehot is sums * (softmax - onehot): the 1 / sums goes onto the
                     # [n, d] operands instead of a pass over the [V, n] chunk
-                    w_row = torch.where(ks, 1.0 / denom.clamp(min=1), 0.0).to(acc)
+                    w_row = torch.where(ks, row_weight, 0.0).to(acc)
                     g = logits.scatter_add_(0, safe_t, -sums[None])
                     scale = (w_row / sums)[:, None]  # [n, 1]
                     torch.mm(g.t(), weight, out=gh).mul_(scale)  # [n, d]
@@ -73,11 +74,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(g.to(h.dtype).t(), weight, out=gh).mul_(keep_rows.to(h.dtype))  # [n, d]
                     grad_w.addmm_(g, hs.to(acc) * keep_rows.to(acc))  # [V, d], the products in acc
         if needs_grad and h.dtype != acc:
-            grad_w.div_(denom.clamp(min=1))
+            grad_w.mul_(row_weight)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if needs_grad else None)
         ctx.reduction = reduction
         # what grad_h still lacks (16 bits: the mean's 1 / count), applied in acc with the incoming gradient
-        ctx.h_factor = None if h.dtype == acc else 1.0 / denom.clamp(min=1)
+        ctx.h_factor = None if h.dtype == acc else row_weight
         if reduction == "none":
             return per_row
         total = per_row.sum()

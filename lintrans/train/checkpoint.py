@@ -91,9 +91,9 @@ def read_checkpoint(path) -> dict:
     version = out["trainer_state"].get("format")
     if version != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {version!r}; this lintrans reads format {FORMAT_VERSION}")
-    from lintrans.models.hf import _check_format
+    from lintrans.models.hf import check_model_format
 
-    _check_format(path, out["config"])  # the model's own save format (config.json's lintrans_format)
+    check_model_format(path, out["config"])  # the model's own save format (config.json's lintrans_format)
     for key, name, fields in (("trainer_state", "trainer_state.json", _STATE_FIELDS), ("config", "config.json", ("model",))):
         missing = [f for f in fields if f not in out[key]]
         if missing:

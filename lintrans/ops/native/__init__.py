@@ -23,6 +23,7 @@ failed build warns once and falls back.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
@@ -68,6 +69,24 @@ def enabled() -> bool:
         return True
     raise ValueError(f"LINTRANS_NATIVE={os.environ['LINTRANS_NATIVE']!r}: expected 1, true, yes or on (the fused CPU "
                      "kernels, the default) or 0, false, no or off (the PyTorch path)")
+
+
+@contextlib.contextmanager
+def disabled(off: bool = True):
+    """The PyTorch paths for the calls inside (``LINTRANS_NATIVE=0``, read at each call), the variable as it
+    was after; ``off=False``: nothing changed."""
+    if not off:
+        yield
+        return
+    before = os.environ.get("LINTRANS_NATIVE")
+    os.environ["LINTRANS_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LINTRANS_NATIVE", None)
+        else:
+            os.environ["LINTRANS_NATIVE"] = before
 
 
 def march() -> str:

@@ -437,8 +437,7 @@ template <typename T>
 int step(const StepArgs& a) {
   const int64_t F = a.F, Dv = a.Dv, FE = F * Dv, n = a.B * a.H;
   Status status;
-  // a decode step of a small model is a few microseconds of work: threads only for a large batch
-#pragma omp parallel num_threads(n * FE >= (int64_t(1) << 16) ? a.threads : 1)
+#pragma omp parallel num_threads(step_threads(n, FE, a.threads))
   status.run([&] {
     std::vector<T> fq(F), fk(F);
     const T scale = T(a.scale);

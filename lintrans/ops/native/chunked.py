@@ -135,4 +135,3 @@ def step(q, k, v, ld, S, z, phi, normalize: bool, scale: float, eps: float):
                  ld_batch, PHI_CODES[phi], int(normalize), torch.get_num_threads(), float(scale), float(eps))
     call("lt_linear_step", q.dtype, a)
     return o, S_out, z_out
-

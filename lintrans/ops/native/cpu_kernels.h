@@ -171,6 +171,12 @@ struct SequentialBlas {
 // The calling thread's contiguous range of (batch, head) pairs: a chunk's rows of those heads lie
 // side by side in [B, T, H, D], so a thread that walks all of its heads at each position reads
 // memory in order (one head at a time would jump H * D elements per row).
+// Threads for a one-token step over n (batch, head) pairs of per_pair state entries each: a decoding step of a
+// small model is a few microseconds of work, so one thread unless the batch is large
+inline int64_t step_threads(int64_t n, int64_t per_pair, int64_t threads) {
+  return n * per_pair >= (int64_t(1) << 16) ? threads : 1;
+}
+
 // A one-token step's decay for (batch, head) pair bh: exp(ld), ld [B, H] (ld_batch) or [H]; 1 without one
 template <typename T>
 inline T step_decay(const void* ld, int64_t ld_batch, int64_t bh, int64_t H) {

@@ -423,7 +423,7 @@ template <typename T>
 int step(const DeltaStepArgs& a) {
   const int64_t Dk = a.Dk, Dv = a.Dv, KV = Dk * Dv, n = a.B * a.H;
   Status status;
-#pragma omp parallel num_threads(n * KV >= (int64_t(1) << 16) ? a.threads : 1)
+#pragma omp parallel num_threads(step_threads(n, KV, a.threads))
   status.run([&] {
     std::vector<T> qs(Dk), ks(Dk), u(Dv);
     const HeadRange r(n);

@@ -126,4 +126,3 @@ def step(q, k, v, beta, ld, S, l2: bool, scale: float):
                       ld_batch, int(l2), torch.get_num_threads(), float(scale))
     call("lt_delta_step", q.dtype, a)
     return o, S_out
-
