@@ -84,3 +84,44 @@ def test_avx2_builds_without_avx512_take_the_loop():
     if native.march() != "native" or "avx512f" in features or not {"avx2", "fma"} <= set(features):
         pytest.skip("the loop is built for -march=native on CPUs with AVX2 and FMA but not AVX-512")
     assert native.library().lt_debug_small_sgemm() == 1
+
+
+def _tri():
+    fn = native.library().lt_debug_tri_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int, I64, I64, F32, I64, F32, I64, ctypes.c_float, F32, I64]
+    return fn
+
+
+@needs_native
+@pytest.mark.parametrize("cl", [1, 2, 5, 6, 7, 13, 16, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("n", [1, 16, 24, 64])
+def test_products_with_a_causal_matrix(cl, n):
+    """The chunked kernels' in-chunk products, which skip the zero half of the causal matrix: against
+    float64 products, within the rounding bound of any order. L has zeros above its diagonal (the
+    kernels' contract); of tril_of_product only the lower triangle counts."""
+    g = torch.Generator().manual_seed(cl * 100 + n)
+    pad = 3
+    L = torch.tril(torch.rand(cl, cl + pad, generator=g) * 2 - 1)
+    L[:, cl:] = float("nan")  # the padding is never read
+    B = torch.rand(cl, n + pad, generator=g) * 2 - 1
+    C0 = torch.rand(cl, n + pad, generator=g) * 2 - 1
+    eps = 2.0 ** -23
+    for kind, beta in ((1, 0.0), (1, 0.5), (2, 0.0), (2, -1.0)):
+        C = C0.clone()
+        _tri()(kind, cl, n, _ptr(L), L.shape[1], _ptr(B), B.shape[1], beta, _ptr(C), C.shape[1])
+        opL = L[:, :cl].double().nan_to_num() if kind == 1 else L[:, :cl].double().nan_to_num().T
+        Bd, Cd = B[:, :n].double(), C0[:, :n].double()
+        want = opL @ Bd + beta * Cd
+        bound = (cl + 2) * eps * (opL.abs() @ Bd.abs() + abs(beta) * Cd.abs()) + 1e-30
+        assert bool(((C[:, :n].double() - want).abs() <= bound).all()), (kind, beta)
+        torch.testing.assert_close(C[:, n:], C0[:, n:], rtol=0, atol=0)
+    # kind 0: L = lower(X Y^T), X, Y [cl, n]
+    X, Y = B, torch.rand(cl, n + pad, generator=g) * 2 - 1
+    out = torch.full((cl, cl + pad), 7.0)
+    _tri()(0, cl, n, _ptr(X), X.shape[1], _ptr(Y), Y.shape[1], 0.0, _ptr(out), out.shape[1])
+    Xd, Yd = X[:, :n].double(), Y[:, :n].double()
+    want, bound = Xd @ Yd.T, (n + 2) * eps * (Xd.abs() @ Yd.abs().T) + 1e-30
+    lower = torch.tril(torch.ones(cl, cl, dtype=torch.bool))
+    assert bool(((out[:, :cl].double() - want).abs() <= bound)[lower].all())
+    assert bool((out[:, cl:] == 7.0).all())

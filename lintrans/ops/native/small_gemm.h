@@ -11,6 +11,17 @@
 #include <algorithm>
 #include <cstdint>
 
+namespace lintrans_cpu {
+namespace small_sgemm {
+// What a product may skip because an operand, or the part of C wanted, is triangular (the chunked
+// kernels' in-chunk products, chunk_common.h): kLowerA, op(A) lower triangular (row i needs k <= i);
+// kUpperA, op(A) upper (row i needs k >= i); kLowerC, only C's lower triangle wanted (row i needs
+// columns <= i). Row tiles take the k range their rows need, so entries a tile reads past its rows'
+// diagonals must be zero; with kLowerC a tile that meets the diagonal also writes entries above it.
+enum class Tri { kNone, kLowerA, kUpperA, kLowerC };
+}  // namespace small_sgemm
+}  // namespace lintrans_cpu
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define LINTRANS_SMALL_SGEMM 1
 #include <immintrin.h>
@@ -68,18 +79,25 @@ inline void tile(int64_t kc, const float* a, int64_t ars, int64_t acs, const flo
   }
 }
 
-inline void rows(int64_t m, int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b, int64_t ldb,
-                 float alpha, float beta, float* C, int64_t ldc, int64_t n) {
-  int64_t i = 0;
-  for (; i + kMR <= m; i += kMR) tile<6>(kc, a + i * ars, ars, acs, b, ldb, alpha, beta, C + i * ldc, ldc, n);
-  const float* ai = a + i * ars;
-  float* ci = C + i * ldc;
+
+template <int R>
+inline void tile_of(Tri tri, int64_t i, int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
+                    int64_t ldb, float alpha, float beta, float* C, int64_t ldc, int64_t n) {
+  const int64_t k0 = tri == Tri::kUpperA ? std::min(i, kc) : 0, k1 = tri == Tri::kLowerA ? std::min(i + R, kc) : kc;
+  tile<R>(k1 - k0, a + i * ars + k0 * acs, ars, acs, b + k0 * ldb, ldb, alpha, beta, C + i * ldc, ldc, n);
+}
+
+// C's rows from i0 (a multiple of kMR) on, in tiles of kMR rows and one of the rest
+inline void rows(Tri tri, int64_t i0, int64_t m, int64_t kc, const float* a, int64_t ars, int64_t acs,
+                 const float* b, int64_t ldb, float alpha, float beta, float* C, int64_t ldc, int64_t n) {
+  int64_t i = i0;
+  for (; i + kMR <= m; i += kMR) tile_of<6>(tri, i, kc, a, ars, acs, b, ldb, alpha, beta, C, ldc, n);
   switch (m - i) {
-    case 5: tile<5>(kc, ai, ars, acs, b, ldb, alpha, beta, ci, ldc, n); break;
-    case 4: tile<4>(kc, ai, ars, acs, b, ldb, alpha, beta, ci, ldc, n); break;
-    case 3: tile<3>(kc, ai, ars, acs, b, ldb, alpha, beta, ci, ldc, n); break;
-    case 2: tile<2>(kc, ai, ars, acs, b, ldb, alpha, beta, ci, ldc, n); break;
-    case 1: tile<1>(kc, ai, ars, acs, b, ldb, alpha, beta, ci, ldc, n); break;
+    case 5: tile_of<5>(tri, i, kc, a, ars, acs, b, ldb, alpha, beta, C, ldc, n); break;
+    case 4: tile_of<4>(tri, i, kc, a, ars, acs, b, ldb, alpha, beta, C, ldc, n); break;
+    case 3: tile_of<3>(tri, i, kc, a, ars, acs, b, ldb, alpha, beta, C, ldc, n); break;
+    case 2: tile_of<2>(tri, i, kc, a, ars, acs, b, ldb, alpha, beta, C, ldc, n); break;
+    case 1: tile_of<1>(tri, i, kc, a, ars, acs, b, ldb, alpha, beta, C, ldc, n); break;
     default: break;
   }
 }
@@ -124,14 +142,17 @@ inline void pack(bool tB, const float* B, int64_t ldb, int64_t p, int64_t j, int
     for (int64_t i = c; i < kNR; ++i) panel[q * kNR + i] = i < n ? src[i * ldb + q] : 0.0f;
 }
 
-// Row-major C[M, N] = alpha op(A) op(B) + beta C; sizes up to kMaxSize (applies())
+// Row-major C[M, N] = alpha op(A) op(B) + beta C; sizes up to kMaxSize (applies()); a triangular
+// shape (tri) also needs K <= kKC (applies_tri()): its k ranges are taken within one block of k
 inline void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-                 const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+                 const float* B, int64_t ldb, float beta, float* C, int64_t ldc, Tri tri = Tri::kNone) {
   if (M <= 0 || N <= 0) return;
   const int64_t ars = tA ? 1 : lda, acs = tA ? lda : 1;
   alignas(32) float panel[kKC * kNR];
   for (int64_t j = 0; j < N; j += kNR) {
     const int64_t n = std::min(kNR, N - j);
+    // with kLowerC the rows above the panel's first column are not wanted: from the tile holding it
+    const int64_t i0 = tri == Tri::kLowerC ? std::min(j, M) / kMR * kMR : 0;
     // k in blocks of at most kKC (the panel's rows); the first block applies beta, the rest add
     for (int64_t p = 0, first = 1; p < K || first; p += kKC, first = 0) {
       const int64_t kc = std::min(kKC, K - p);
@@ -146,10 +167,12 @@ inline void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, float alpha,
         b = panel;
         ldp = kNR;
       }
-      rows(M, kc, A + p * acs, ars, acs, b, ldp, alpha, bet, C + j, ldc, n);
+      rows(tri, i0, M, kc, A + p * acs, ars, acs, b, ldp, alpha, bet, C + j, ldc, n);
     }
   }
 }
+
+inline bool applies_tri(int64_t M, int64_t N, int64_t K) { return applies(M, N, K) && K <= kKC; }
 
 }  // namespace small_sgemm
 }  // namespace lintrans_cpu
