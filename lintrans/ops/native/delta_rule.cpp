@@ -131,16 +131,22 @@ inline void unload_grad(const T* x, const T* dy, T* dx, int64_t n, int64_t l2, T
 }
 
 // Gather the chunk's rows and build everything of it that does not depend on the state:
-// b, E, Gam, kap, Kk, A, Ti, kh = kap k, qG = Gam q, P = lower(q k^T) E.
+// b, E, Gam, kap, Kk, A, Ti, kh = kap k, qG = Gam q, P = lower(q k^T) E. reverse: backward's walk,
+// which takes the chunk before this one next (and reads do's rows too).
 template <typename T>
-void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_t t0, int64_t cl, bool gated) {
+void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_t t0, int64_t cl, bool gated,
+                   bool reverse) {
   const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c;
   const T scale = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
-    if (t0 + i + kAhead < a.T) {  // rows of a head lie H * D apart: ask for later ones while reading this one
-      prefetch_row(row<T>(a.q, a.sq, bi, t0 + i + kAhead, h), Dk);
-      prefetch_row(row<T>(a.k, a.sk, bi, t0 + i + kAhead, h), Dk);
-      prefetch_row(row<T>(a.v, a.sv, bi, t0 + i + kAhead, h), Dv);
+    // rows of a head lie H * D apart: ask for the ones read next while reading this one, kAhead rows on
+    // or, past the chunk's end in reverse, in the chunk before
+    const int64_t tn = t0 + i + kAhead - (reverse && i + kAhead >= cl ? 2 * c : 0);
+    if (tn >= 0 && tn < a.T) {
+      prefetch_row(row<T>(a.q, a.sq, bi, tn, h), Dk);
+      prefetch_row(row<T>(a.k, a.sk, bi, tn, h), Dk);
+      prefetch_row(row<T>(a.v, a.sv, bi, tn, h), Dv);
+      if (reverse) prefetch_row(row<T>(a.dout, a.sdo, bi, tn, h), Dv);
     }
     load_row(row<T>(a.q, a.sq, bi, t0 + i, h), &w.q[i * Dk], Dk, a.l2, scale, w.rq[i]);
     load_row(row<T>(a.k, a.sk, bi, t0 + i, h), &w.k[i * Dk], Dk, a.l2, T(1), w.rk[i]);
@@ -243,7 +249,7 @@ int forward(const DeltaArgs& a) {
       for (int64_t m = 0; m < nck; ++m) {
         const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
         std::memcpy(static_cast<T*>(a.states) + (bh * nck + m) * KV, S.data(), KV * sizeof(T));
-        prepare_chunk(a, w, bi, h, t0, cl, gated);
+        prepare_chunk(a, w, bi, h, t0, cl, gated, false);
         T* U = static_cast<T*>(a.u) + (bh * a.T + t0) * Dv;  // kept for backward, a head's rows contiguous
         values_written(w, cl, S.data(), U, gated);
         // o = P U + qG S
@@ -275,7 +281,7 @@ int backward(const DeltaArgs& a) {
       for (int64_t m = nck - 1; m >= 0; --m) {
         const int64_t t0 = m * c, cl = std::min(c, a.T - t0);
         const T* S = static_cast<const T*>(a.states) + (bh * nck + m) * KV;
-        prepare_chunk(a, w, bi, h, t0, cl, gated);
+        prepare_chunk(a, w, bi, h, t0, cl, gated, true);
         const int64_t first = (bi * a.T + t0) * a.H + h;
         // forward's U and the incoming do, read in place (BLAS packs them): U's rows are contiguous, do's
         // rows of one head lie sdo[1] apart
