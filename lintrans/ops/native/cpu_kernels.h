@@ -136,6 +136,38 @@ void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, const T* A, int64_t
   gemm<T>(tA, tB, M, N, K, T(1), A, lda, B, ldb, beta, C, ldc);
 }
 
+// sum_j a[j] b[j]. Written out for float with AVX2: GCC left some `omp simd` reductions of this form
+// scalar where the loop around them was versioned (the gated copy of delta_rule.cpp's backward).
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) s += a[j] * b[j];
+  return s;
+}
+#if defined(__AVX2__) && defined(__FMA__)
+template <>
+inline float dot<float>(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+  }
+  if (j + 8 <= n) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    j += 8;
+  }
+  const __m256 s = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float r = _mm_cvtss_f32(h);
+  for (; j < n; ++j) r += a[j] * b[j];
+  return r;
+}
+#endif
+
 // dst[0:n] = src[0:n] for an output row the call writes once and does not read back: where dst
 // is 64-byte aligned and n whole cache lines, by non-temporal stores, which skip reading each line
 // of fresh output memory in before overwriting it (callers end their writes with store_fence())

@@ -101,11 +101,8 @@ inline const T* row(const void* base, const int64_t* s, int64_t b, int64_t t, in
 // y = s x / sqrt(x.x + 1e-6) with l2 (r = the 1 / sqrt), else y = s x
 template <typename T>
 inline void load_row(const T* x, T* y, int64_t n, int64_t l2, T s, T& r) {
-  T ss = 0;
   if (l2) {
-#pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
-    r = T(1) / std::sqrt(ss + T(1e-6));
+    r = T(1) / std::sqrt(dot(x, x, n) + T(1e-6));
   } else {
     r = T(1);
   }
@@ -122,9 +119,7 @@ inline void unload_grad(const T* x, const T* dy, T* dx, int64_t n, int64_t l2, T
     for (int64_t j = 0; j < n; ++j) dx[j] = s * dy[j];
     return;
   }
-  T d = 0;
-#pragma omp simd reduction(+ : d)
-  for (int64_t j = 0; j < n; ++j) d += x[j] * dy[j];
+  const T d = dot(x, dy, n);
   const T sr = s * r, c = sr * r * r * d;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) dx[j] = sr * dy[j] - c * x[j];
@@ -296,11 +291,7 @@ int backward(const DeltaArgs& a) {
         // what needs dS after the chunk, before it is updated in place: dkh = U dS^T (the state's
         // update) and S . dS (gam's share of b)
         gemm<T>(false, true, cl, Dk, Dv, U, Dv, dS.data(), Dv, 0, w.dkh.data(), Dk);
-        T sd = 0;
-        if (gated) {
-#pragma omp simd reduction(+ : sd)
-          for (int64_t j = 0; j < KV; ++j) sd += S[j] * dS[j];
-        }
+        const T sd = gated ? dot(S, dS.data(), KV) : T(0);
         // dS before the chunk = gam dS + qG^T dO - (beta Gam k)^T dRu
         for (int64_t i = 0; i < cl; ++i) {
           const T bg = w.beta[i] * (gated ? w.Gam[i] : T(1));
@@ -347,11 +338,7 @@ int backward(const DeltaArgs& a) {
         for (int64_t i = 0; i < cl; ++i) {
           const T bi_ = w.beta[i];
           const T *dRw = &w.dRw[i * Dk], *dRu = &w.dRu[i * Dv], *ki = &w.k[i * Dk], *vi = &w.v[i * Dv];
-          T rw = 0, ru = 0;
-#pragma omp simd reduction(+ : rw)
-          for (int64_t j = 0; j < Dk; ++j) rw += dRw[j] * ki[j];
-#pragma omp simd reduction(+ : ru)
-          for (int64_t j = 0; j < Dv; ++j) ru += dRu[j] * vi[j];
+          const T rw = dot(dRw, ki, Dk), ru = dot(dRu, vi, Dv);
           const T g = gated ? w.Gam[i] : T(1);
 #pragma omp simd
           for (int64_t j = 0; j < Dk; ++j) w.dk[i * Dk + j] += bi_ * g * dRw[j];
