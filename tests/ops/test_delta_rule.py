@@ -345,6 +345,36 @@ def test_float32_within_its_tolerance(form, gate):
     assert_close(S, ref[1], tol, "S")
 
 
+@pytest.mark.parametrize("chunk", [8, 24, 32, 64])
+@pytest.mark.parametrize("gate", ["none", "token"])
+def test_float32_gradients_by_chunk(chunk, gate, chunked_path):
+    """float32 outputs and gradients at chunk sizes whose rows the CPU kernel's fast paths treat apart
+    (8 to 64 wide, a last chunk of another width, Dk not a power of two), against float64 within the
+    case's own float32 sensitivity: the gradients of float64 inputs jittered at float32's size."""
+    B, T, H, Dk, Dv = 1, 100, 2, 20, 12
+    q, k, v, beta = inputs(B, T, H, Dk, Dv, seed=chunk)
+    ld = gate_for(gate, B, T, H, low=-0.3)
+    do = torch.randn(B, T, H, Dv, generator=gen(chunk + 1), dtype=F64)
+    args = [q, k, v, beta] + ([] if ld is None else [ld])
+
+    def grads(xs, dtype, fn):
+        xs = [x.to(dtype).requires_grad_() for x in xs]
+        o, _ = fn(*xs[:4], log_decay=xs[4] if len(xs) > 4 else None)
+        return [o.detach(), *torch.autograd.grad(o, xs, do.to(dtype))]
+
+    ref = grads(args, F64, delta_rule_reference)
+    g = gen(chunk + 2)
+    worst = [0.0] * len(ref)
+    for _ in range(2):
+        jittered = [a * (1 + EPS32 * (2 * torch.rand(a.shape, generator=g, dtype=F64) - 1)) for a in args]
+        for i, (x, r) in enumerate(zip(grads(jittered, F64, delta_rule_reference), ref)):
+            worst[i] = max(worst[i], (x - r).abs().max().item())
+    got = grads(args, torch.float32, lambda *a, **kw: delta_rule(*a, **kw, chunk_size=chunk))
+    for i, (x, r) in enumerate(zip(got, ref)):
+        assert x.dtype == torch.float32
+        assert_close(x, r, 64 * max(worst[i], EPS32 * r.abs().max().item()), f"output {i} (0: o)")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs(dtype, form):
     B, T, H, Dk, Dv = 1, 40, 2, 8, 8

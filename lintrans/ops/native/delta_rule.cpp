@@ -57,8 +57,58 @@ using namespace lintrans_simd;
 // row i of the inverse is e_i - sum_{j<i} A_ij (row j), and row j is zero right of column j. One inverse
 // then serves forward's solve and backward's transposed solve as plain products, which BLAS runs
 // faster than its triangular solves at this size.
+#if defined(__AVX2__) && defined(__FMA__)
+// The same for float with rows of W vectors (8 W >= cl, within the row stride c): each row a sum over
+// the rows before it at full width (their entries right of the diagonal are zero), split in two
+// chains where registers allow, so that a row waits on half as many dependent FMAs
+template <int W>
+void unit_lower_inverse_rows(int64_t cl, int64_t c, const float* A, float* Ti) {
+  constexpr int kChains = W <= 4 ? 2 : 1;
+  for (int64_t i = 0; i < cl; ++i) {
+    __m256 s[kChains][W];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) s[0][w] = s[kChains - 1][w] = _mm256_setzero_ps();
+    const float* ai = A + i * c;
+    int64_t j = 0;
+    for (; j + kChains <= i; j += kChains) {
+#pragma GCC unroll 2
+      for (int h = 0; h < kChains; ++h) {
+        const __m256 x = _mm256_set1_ps(ai[j + h]);
+        const float* tj = Ti + (j + h) * c;
+#pragma GCC unroll 8
+        for (int w = 0; w < W; ++w) s[h][w] = _mm256_fnmadd_ps(x, _mm256_loadu_ps(tj + 8 * w), s[h][w]);
+      }
+    }
+    if (j < i) {
+      const __m256 x = _mm256_set1_ps(ai[j]);
+#pragma GCC unroll 8
+      for (int w = 0; w < W; ++w) s[0][w] = _mm256_fnmadd_ps(x, _mm256_loadu_ps(Ti + j * c + 8 * w), s[0][w]);
+    }
+    float* ti = Ti + i * c;
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(ti + 8 * w, kChains == 2 ? _mm256_add_ps(s[0][w], s[kChains - 1][w]) : s[0][w]);
+    ti[i] = 1.0f;
+  }
+}
+#endif
+
 template <typename T>
 void unit_lower_inverse(int64_t cl, int64_t c, const T* A, T* Ti) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t w = (cl + 7) / 8;
+    if (8 * w <= c) {
+      switch (w) {
+        case 1: return unit_lower_inverse_rows<1>(cl, c, A, Ti);
+        case 2: return unit_lower_inverse_rows<2>(cl, c, A, Ti);
+        case 3: return unit_lower_inverse_rows<3>(cl, c, A, Ti);
+        case 4: return unit_lower_inverse_rows<4>(cl, c, A, Ti);
+        case 8: return unit_lower_inverse_rows<8>(cl, c, A, Ti);
+        default: break;
+      }
+    }
+  }
+#endif
   for (int64_t i = 0; i < cl; ++i) {
     T* __restrict ti = Ti + i * c;
     std::fill(ti, ti + cl, T(0));
