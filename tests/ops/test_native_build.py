@@ -83,6 +83,17 @@ def test_the_build_key_covers_cpu_target_compiler_and_torch(monkeypatch):
         native.flags()
 
 
+def test_the_products_choice_is_a_build_flag_and_part_of_the_key(monkeypatch):
+    monkeypatch.delenv("LINTRANS_NATIVE_GEMM", raising=False)
+    auto = native.library_path()
+    assert "-DLINTRANS_BLAS_ONLY" not in native.flags()
+    monkeypatch.setenv("LINTRANS_NATIVE_GEMM", "BLAS")
+    assert "-DLINTRANS_BLAS_ONLY" in native.flags() and native.library_path() != auto
+    monkeypatch.setenv("LINTRANS_NATIVE_GEMM", "mkl")
+    with pytest.raises(ValueError, match="LINTRANS_NATIVE_GEMM=.*auto.*blas"):
+        native.flags()
+
+
 @pytest.fixture
 def fake_cxx(tmp_path, monkeypatch):
     """A stand-in compiler that logs each build and copies this session's real library to its -o;

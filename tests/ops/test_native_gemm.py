@@ -81,7 +81,8 @@ def test_sizes_past_the_loops_take_the_blas():
 @needs_native
 def test_avx2_builds_without_avx512_take_the_loop():
     features = cpu_vector_features().split()
-    if native.march() != "native" or "avx512f" in features or not {"avx2", "fma"} <= set(features):
+    if (native.march() != "native" or native.gemm_choice() != "auto" or "avx512f" in features
+            or not {"avx2", "fma"} <= set(features)):
         pytest.skip("the loop is built for -march=native on CPUs with AVX2 and FMA but not AVX-512")
     assert native.library().lt_debug_small_sgemm() == 1
 

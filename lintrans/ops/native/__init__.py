@@ -18,8 +18,9 @@ write to a temporary file renamed into place, clean up what a killed build left,
 libraries. A library that exists but does not load is rebuilt once.
 
 ``LINTRANS_NATIVE=0`` turns the kernels off; ``LINTRANS_NATIVE_MARCH`` (default ``native``) is the
-``-march`` they are built for (e.g. ``x86-64-v3``: AVX2 and FMA, no AVX-512); a missing compiler or a
-failed build warns once and falls back.
+``-march`` they are built for (e.g. ``x86-64-v3``: AVX2 and FMA, no AVX-512); ``LINTRANS_NATIVE_GEMM=blas``
+builds them with torch's BLAS for every product (the default, ``auto``, has AVX2 builds without AVX-512
+use their own loop for float products); a missing compiler or a failed build warns once and falls back.
 """
 from __future__ import annotations
 
@@ -97,8 +98,18 @@ def march() -> str:
     return value
 
 
+def gemm_choice() -> str:
+    """``$LINTRANS_NATIVE_GEMM``: ``auto`` (default: small_gemm.h's loop for float products where the build
+    has AVX2 and FMA but not AVX-512, the BLAS elsewhere) or ``blas`` (torch's BLAS for every product)."""
+    value = os.environ.get("LINTRANS_NATIVE_GEMM", "").strip().lower() or "auto"
+    if value not in ("auto", "blas"):
+        raise ValueError(f"LINTRANS_NATIVE_GEMM={os.environ['LINTRANS_NATIVE_GEMM']!r}: expected auto (the default) "
+                         "or blas (torch's BLAS for every product of the kernels)")
+    return value
+
+
 def flags() -> list:
-    return [*BASE_FLAGS, f"-march={march()}"]
+    return [*BASE_FLAGS, f"-march={march()}", *(["-DLINTRANS_BLAS_ONLY"] if gemm_choice() == "blas" else [])]
 
 
 def compiler() -> tuple:

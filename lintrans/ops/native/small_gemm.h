@@ -22,7 +22,8 @@ enum class Tri { kNone, kLowerA, kUpperA, kLowerC };
 }  // namespace small_sgemm
 }  // namespace lintrans_cpu
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// LINTRANS_BLAS_ONLY: the build asked for the BLAS everywhere (LINTRANS_NATIVE_GEMM=blas)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(LINTRANS_BLAS_ONLY)
 #define LINTRANS_SMALL_SGEMM 1
 #include <immintrin.h>
 
