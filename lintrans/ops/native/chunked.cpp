@@ -354,13 +354,10 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
   if (gated && a.need_dld) {
     // b_i enters as fq_i e^{b_i} and fk_i e^{-b_i}, b_last besides as e^{b_last} on the whole state
     // after the chunk; ld_t's gradient sums db_i over i >= t, plus b_last's
-    T acc = 0;
-    for (int64_t x = 0; x < F * E; ++x) acc += dS[x] * Sn[x];
+    T acc = dot(dS, Sn, F * E);
     T* dld = static_cast<T*>(a.dld) + b * a.T * a.H + h;
     for (int64_t i = cl - 1; i >= 0; --i) {
-      T v = 0;
-      for (int64_t f = 0; f < F; ++f) v += ch.fq[i * F + f] * dq[i * F + f] - ch.fk[i * F + f] * dk[i * F + f];
-      acc += v;
+      acc += dot(&ch.fq[i * F], &dq[i * F], F) - dot(&ch.fk[i * F], &dk[i * F], F);
       dld[(t0 + i) * a.H] = acc;
     }
   }
