@@ -66,8 +66,10 @@ void unit_lower_inverse_rows(int64_t cl, int64_t c, const float* A, float* Ti) {
   constexpr int kChains = W <= 4 ? 2 : 1;
   for (int64_t i = 0; i < cl; ++i) {
     __m256 s[kChains][W];
+#pragma GCC unroll 2
+    for (int h = 0; h < kChains; ++h)
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) s[0][w] = s[kChains - 1][w] = _mm256_setzero_ps();
+      for (int w = 0; w < W; ++w) s[h][w] = _mm256_setzero_ps();
     const float* ai = A + i * c;
     int64_t j = 0;
     for (; j + kChains <= i; j += kChains) {
@@ -184,9 +186,13 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
   const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c;
   const T scale = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
-    // rows of a head lie H * D apart: ask for the ones read next while reading this one, kAhead rows on
-    // or, past the chunk's end in reverse, in the chunk before
-    const int64_t tn = t0 + i + kAhead - (reverse && i + kAhead >= cl ? 2 * c : 0);
+    // rows of a head lie H * D apart: ask for the row read kAhead rows after this one, which in reverse
+    // past this chunk's end lies r rows into the chunks before it, each walked forward
+    int64_t tn = t0 + i + kAhead;
+    if (reverse && i + kAhead >= cl) {
+      const int64_t r = i + kAhead - cl;
+      tn = t0 - c * (1 + r / c) + r % c;
+    }
     if (tn >= 0 && tn < a.T) {
       prefetch_row(row<T>(a.q, a.sq, bi, tn, h), Dk);
       prefetch_row(row<T>(a.k, a.sk, bi, tn, h), Dk);

@@ -4,8 +4,9 @@
 // loop (docs/native-kernels.md has the measurement); with AVX-512 MKL's own kernels are faster, so
 // those builds keep the BLAS. Row-major C[M, N] = alpha op(A) op(B) + beta C, BLAS's semantics
 // (beta = 0 never reads C). Tiles of 6 rows by 16 columns: 12 accumulators, two loads of op(B) and
-// six broadcasts of op(A) per step of k. op(B) is read in place where its rows are contiguous and
-// the tile is whole, and otherwise copied (transposed, zero-padded) into a panel on the stack.
+// six broadcasts of op(A) per step of k. op(B) is read in place where its rows are contiguous, close
+// together and the tile is whole, and otherwise copied (transposed, zero-padded) into a panel on the
+// stack.
 #pragma once
 
 #include <algorithm>
@@ -31,10 +32,16 @@ namespace lintrans_cpu {
 namespace small_sgemm {
 
 constexpr int64_t kMR = 6, kNR = 16, kKC = 256;
-// products with every size up to this take this path; past it the BLAS's cache blocking pays
 constexpr int64_t kMaxSize = 512;
 
-inline bool applies(int64_t M, int64_t N, int64_t K) { return std::max({M, N, K}) <= kMaxSize; }
+// op(B) rows further apart than this are copied into the panel rather than read in place: rows 16 KiB
+// apart ([B, T, H, D] views) share a few L1 sets, and each row tile would fetch them again from L2
+constexpr int64_t kMaxInPlaceStride = 256;
+
+// Products with every size up to kMaxSize take this path (past it the BLAS's cache blocking pays),
+// but not those narrower than a tile can fill: under 4 rows a tile has too few accumulators to hide
+// the FMA's latency, and under 8 columns most of a 16-column tile is padding
+inline bool applies(int64_t M, int64_t N, int64_t K) { return std::max({M, N, K}) <= kMaxSize && M >= 4 && N >= 8; }
 
 // R rows of op(A) (element (i, p) at a[i * ars + p * acs]) times a kc x 16 panel of op(B) (row p at
 // b + p * ldb), into out: alpha * acc + beta * out, all 16 columns (whole) or the first n (edge)
@@ -126,8 +133,16 @@ inline void transpose8(const float* src, int64_t ls, float* dst, int64_t ld) {
 // panel[q, c] = op(B)[p + q, j + c] for q < kc and c < n, zero for c >= n (n <= 16)
 inline void pack(bool tB, const float* B, int64_t ldb, int64_t p, int64_t j, int64_t kc, int64_t n, float* panel) {
   if (!tB) {
-    for (int64_t q = 0; q < kc; ++q)
-      for (int64_t c = 0; c < kNR; ++c) panel[q * kNR + c] = c < n ? B[(p + q) * ldb + j + c] : 0.0f;
+    for (int64_t q = 0; q < kc; ++q) {
+      const float* src = B + (p + q) * ldb + j;
+      float* dst = panel + q * kNR;
+      if (n == kNR) {
+        _mm256_storeu_ps(dst, _mm256_loadu_ps(src));
+        _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(src + 8));
+      } else {
+        for (int64_t c = 0; c < kNR; ++c) dst[c] = c < n ? src[c] : 0.0f;
+      }
+    }
     return;
   }
   // op(B)[p + q, j + c] = B[j + c, p + q]: rows of B become columns of the panel, 8 by 8 where whole
@@ -160,7 +175,7 @@ inline void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, float alpha,
       const float bet = first ? beta : 1.0f;
       const float* b;
       int64_t ldp;
-      if (!tB && n == kNR) {
+      if (!tB && n == kNR && ldb <= kMaxInPlaceStride) {
         b = B + p * ldb + j;
         ldp = ldb;
       } else {
