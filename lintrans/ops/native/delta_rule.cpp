@@ -88,7 +88,8 @@ void unit_lower_inverse_rows(int64_t cl, int64_t c, const float* A, float* Ti) {
     }
     float* ti = Ti + i * c;
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(ti + 8 * w, kChains == 2 ? _mm256_add_ps(s[0][w], s[kChains - 1][w]) : s[0][w]);
+    for (int w = 0; w < W; ++w)
+      _mm256_storeu_ps(ti + 8 * w, kChains == 2 ? _mm256_add_ps(s[0][w], s[kChains - 1][w]) : s[0][w]);
     ti[i] = 1.0f;
   }
 }
