@@ -25,25 +25,11 @@ inline void prefetch_row(const T* x, int64_t n) {
 // nearly half the work.
 inline int64_t split_of(int64_t cl) { return cl >= 32 ? cl / 2 : 0; }
 
-// Whether small_gemm.h's loop took this product (float, the loop built, the sizes in its range)
-template <typename T>
-inline bool small_tri(small_sgemm::Tri tri, bool tA, bool tB, int64_t M, int64_t N, int64_t K, const T* A,
-                      int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
-#ifdef LINTRANS_SMALL_SGEMM
-  if constexpr (std::is_same_v<T, float>) {
-    if (!small_sgemm::applies_tri(M, N, K)) return false;
-    small_sgemm::gemm(tA, tB, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc, tri);
-    return true;
-  }
-#endif
-  return false;
-}
-
 // L [cl, cl] (row stride ldl) = lower part of X Y^T (X, Y [cl, K]); entries above the diagonal are
 // left as they were or written (callers zero everything above the diagonal)
 template <typename T>
 void tril_of_product(int64_t cl, int64_t K, const T* X, int64_t ldx, const T* Y, int64_t ldy, T* L, int64_t ldl) {
-  if (small_tri<T>(small_sgemm::Tri::kLowerC, false, true, cl, cl, K, X, ldx, Y, ldy, 0, L, ldl)) return;
+  if (small_gemm<T>(small_sgemm::Tri::kLowerC, false, true, cl, cl, K, 1, X, ldx, Y, ldy, 0, L, ldl)) return;
   const int64_t h = split_of(cl);
   if (h) gemm<T>(false, true, h, h, K, X, ldx, Y, ldy, 0, L, ldl);
   gemm<T>(false, true, cl - h, cl, K, X + h * ldx, ldx, Y, ldy, 0, L + h * ldl, ldl);
@@ -52,7 +38,7 @@ void tril_of_product(int64_t cl, int64_t K, const T* X, int64_t ldx, const T* Y,
 // C [cl, N] = L B + beta C, L causal [cl, cl]
 template <typename T>
 void tril_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
-  if (small_tri<T>(small_sgemm::Tri::kLowerA, false, false, cl, N, cl, L, ldl, B, ldb, beta, C, ldc)) return;
+  if (small_gemm<T>(small_sgemm::Tri::kLowerA, false, false, cl, N, cl, 1, L, ldl, B, ldb, beta, C, ldc)) return;
   const int64_t h = split_of(cl);
   if (h) gemm<T>(false, false, h, N, h, L, ldl, B, ldb, beta, C, ldc);
   gemm<T>(false, false, cl - h, N, cl, L + h * ldl, ldl, B, ldb, beta, C + h * ldc, ldc);
@@ -62,7 +48,7 @@ void tril_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int6
 template <typename T>
 void tril_t_times(int64_t cl, int64_t N, const T* L, int64_t ldl, const T* B, int64_t ldb, T beta, T* C,
                   int64_t ldc) {
-  if (small_tri<T>(small_sgemm::Tri::kUpperA, true, false, cl, N, cl, L, ldl, B, ldb, beta, C, ldc)) return;
+  if (small_gemm<T>(small_sgemm::Tri::kUpperA, true, false, cl, N, cl, 1, L, ldl, B, ldb, beta, C, ldc)) return;
   const int64_t h = split_of(cl);
   if (h) gemm<T>(true, false, h, N, cl, L, ldl, B, ldb, beta, C, ldc);
   gemm<T>(true, false, cl - h, N, cl - h, L + h * ldl + h, ldl, B + h * ldb, ldb, beta, C + h * ldc, ldc);

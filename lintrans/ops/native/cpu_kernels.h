@@ -111,6 +111,21 @@ inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n
   dgemm_(ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
 }
 
+// Whether small_gemm.h's loop took this product (float, on AVX2 builds without AVX-512, the sizes it
+// takes), skipping what `tri` says is zero or unwanted
+template <typename T>
+inline bool small_gemm(small_sgemm::Tri tri, bool tA, bool tB, int64_t M, int64_t N, int64_t K, T alpha,
+                       const T* A, int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+#ifdef LINTRANS_SMALL_SGEMM
+  if constexpr (std::is_same_v<T, float>) {
+    if (!small_sgemm::applies(M, N, K, tri)) return false;
+    small_sgemm::gemm(tA, tB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
+    return true;
+  }
+#endif
+  return false;
+}
+
 // Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K]: BLAS is column-major, so it computes C^T.
 // Small float products on AVX2 builds without AVX-512 take small_gemm.h's loop instead.
 // BLAS takes int sizes: one past INT_MAX would be rejected (BLAS prints an error and skips the product,
@@ -118,11 +133,7 @@ inline void blas_gemm(const char* ta, const char* tb, const int* m, const int* n
 template <typename T>
 void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
           int64_t ldb, T beta, T* C, int64_t ldc) {
-#ifdef LINTRANS_SMALL_SGEMM
-  if constexpr (std::is_same_v<T, float>) {
-    if (small_sgemm::applies(M, N, K)) return small_sgemm::gemm(tA, tB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  }
-#endif
+  if (small_gemm(small_sgemm::Tri::kNone, tA, tB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
   if (std::max({M, N, K, lda, ldb, ldc}) > int64_t(INT_MAX)) throw std::length_error("BLAS size past INT_MAX");
   const int m = int(M), n = int(N), k = int(K), la = int(lda), lb = int(ldb), lc = int(ldc);
   const char a = tA ? 'T' : 'N', b = tB ? 'T' : 'N';

@@ -40,8 +40,11 @@ constexpr int64_t kMaxInPlaceStride = 256;
 
 // Products with every size up to kMaxSize take this path (past it the BLAS's cache blocking pays),
 // but not those narrower than a tile can fill: under 4 rows a tile has too few accumulators to hide
-// the FMA's latency, and under 8 columns most of a 16-column tile is padding
-inline bool applies(int64_t M, int64_t N, int64_t K) { return std::max({M, N, K}) <= kMaxSize && M >= 4 && N >= 8; }
+// the FMA's latency, and under 8 columns most of a 16-column tile is padding. A triangular shape also
+// needs K <= kKC: its k ranges are taken within one block of k.
+inline bool applies(int64_t M, int64_t N, int64_t K, Tri tri) {
+  return std::max({M, N, K}) <= kMaxSize && M >= 4 && N >= 8 && (tri == Tri::kNone || K <= kKC);
+}
 
 // R rows of op(A) (element (i, p) at a[i * ars + p * acs]) times a kc x 16 panel of op(B) (row p at
 // b + p * ldb), into out: alpha * acc + beta * out, all 16 columns (whole) or the first n (edge)
@@ -86,7 +89,6 @@ inline void tile(int64_t kc, const float* a, int64_t ars, int64_t acs, const flo
     for (int64_t j = 0; j < n; ++j) o[j] = beta != 0.0f ? t[j] + beta * o[j] : t[j];
   }
 }
-
 
 template <int R>
 inline void tile_of(Tri tri, int64_t i, int64_t kc, const float* a, int64_t ars, int64_t acs, const float* b,
@@ -158,8 +160,7 @@ inline void pack(bool tB, const float* B, int64_t ldb, int64_t p, int64_t j, int
     for (int64_t i = c; i < kNR; ++i) panel[q * kNR + i] = i < n ? src[i * ldb + q] : 0.0f;
 }
 
-// Row-major C[M, N] = alpha op(A) op(B) + beta C; sizes up to kMaxSize (applies()); a triangular
-// shape (tri) also needs K <= kKC (applies_tri()): its k ranges are taken within one block of k
+// Row-major C[M, N] = alpha op(A) op(B) + beta C, for the sizes applies() takes
 inline void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                  const float* B, int64_t ldb, float beta, float* C, int64_t ldc, Tri tri = Tri::kNone) {
   if (M <= 0 || N <= 0) return;
@@ -187,8 +188,6 @@ inline void gemm(bool tA, bool tB, int64_t M, int64_t N, int64_t K, float alpha,
     }
   }
 }
-
-inline bool applies_tri(int64_t M, int64_t N, int64_t K) { return applies(M, N, K) && K <= kKC; }
 
 }  // namespace small_sgemm
 }  // namespace lintrans_cpu
