@@ -218,11 +218,7 @@ void forward_chunk(const ChunkedArgs& a, Buffers<T>& w, Chunk<T>& ch, int64_t b,
   for (int64_t f = 0; f < F; ++f) z[f] = S[f * E + Dv];
   gemm<T>(false, false, cl, Dv, F, ch.fq.data(), F, S, E, 0, w.y.data(), E);
   for (int64_t i = 0; i < cl; ++i) {
-    const T* fqi = &ch.fq[i * F];
-    T acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t f = 0; f < F; ++f) acc += fqi[f] * z[f];
-    w.y[i * E + Dv] = acc;
+    w.y[i * E + Dv] = dot(&ch.fq[i * F], z, F);
   }
   if (gated)
     for (int64_t i = 0; i < cl; ++i) {

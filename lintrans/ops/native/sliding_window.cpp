@@ -138,9 +138,7 @@ int backward(const SlidingWindowArgs& a) {
           T* ds = &dP[i * L];
           const T* g = blk.dout() + i * a.sdo[1];
           const T* o = static_cast<const T*>(a.o) + blk.row(t0 + i) * a.Dv;
-          T delta = 0;
-#pragma omp simd reduction(+ : delta)
-          for (int64_t e = 0; e < a.Dv; ++e) delta += g[e] * o[e];
+          const T delta = dot(g, o, a.Dv);
           const int64_t lo = blk.lo(i), hi = blk.hi(i), a0 = blk.lo16(i), a1 = blk.hi16(i);
           const T m = lse[i];
           for (int64_t l = 0; l < a0; ++l) p[l] = ds[l] = 0;
