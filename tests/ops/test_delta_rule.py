@@ -309,16 +309,22 @@ def test_gradient_is_not_zero_everywhere(chunked_path):
 # ------------------------------------------------------------------------------------------ precisions
 
 
+def _jitter_sensitivity(fn, args, ref, g, rounds):
+    """Each output's largest change (against ref) when the float64 inputs get relative perturbations of
+    float32's size: how far float32 rounding of the inputs alone moves the case."""
+    worst = [0.0] * len(ref)
+    for _ in range(rounds):
+        jittered = [a if a is None else a * (1 + EPS32 * (2 * torch.rand(a.shape, generator=g, dtype=F64) - 1))
+                    for a in args]
+        for i, (x, r) in enumerate(zip(fn(*jittered), ref)):
+            worst[i] = max(worst[i], (x - r).abs().max().item())
+    return worst
+
+
 def _float32_tolerance(fn, args, ref):
     """float32 rounding of the inputs, pushed through the float64 computation: the case's own sensitivity
     to perturbations of float32 size, times a margin for the arithmetic's own rounding."""
-    g = gen(21)
-    worst = 0.0
-    for _ in range(3):
-        jittered = [a if a is None else a * (1 + EPS32 * (2 * torch.rand(a.shape, generator=g, dtype=F64) - 1))
-                    for a in args]
-        o, S = fn(*jittered)
-        worst = max(worst, (o - ref[0]).abs().max().item(), (S - ref[1]).abs().max().item())
+    worst = max(_jitter_sensitivity(fn, args, ref, gen(21), 3))
     mag = max(ref[0].abs().max().item(), ref[1].abs().max().item())
     return 64 * max(worst, EPS32 * mag)
 
@@ -363,12 +369,7 @@ def test_float32_gradients_by_chunk(chunk, gate, chunked_path):
         return [o.detach(), *torch.autograd.grad(o, xs, do.to(dtype))]
 
     ref = grads(args, F64, delta_rule_reference)
-    g = gen(chunk + 2)
-    worst = [0.0] * len(ref)
-    for _ in range(2):
-        jittered = [a * (1 + EPS32 * (2 * torch.rand(a.shape, generator=g, dtype=F64) - 1)) for a in args]
-        for i, (x, r) in enumerate(zip(grads(jittered, F64, delta_rule_reference), ref)):
-            worst[i] = max(worst[i], (x - r).abs().max().item())
+    worst = _jitter_sensitivity(lambda *xs: grads(xs, F64, delta_rule_reference), args, ref, gen(chunk + 2), 2)
     got = grads(args, torch.float32, lambda *a, **kw: delta_rule(*a, **kw, chunk_size=chunk))
     for i, (x, r) in enumerate(zip(got, ref)):
         assert x.dtype == torch.float32
