@@ -18,6 +18,15 @@ inline void prefetch_row(const T* x, int64_t n) {
   for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(x) + i);
 }
 
+// The row a walk reads kAhead rows after row t0 + i of a chunk of cl rows (chunks of c rows, each read
+// forward): t0 + i + kAhead going forward; in backward's reverse walk, past this chunk's end, r rows
+// into the chunks before it. It may lie outside [0, T): callers skip it then.
+inline int64_t row_ahead(int64_t t0, int64_t i, int64_t cl, int64_t c, bool reverse) {
+  if (!reverse || i + kAhead < cl) return t0 + i + kAhead;
+  const int64_t r = i + kAhead - cl;
+  return t0 - c * (1 + r / c) + r % c;
+}
+
 // The in-chunk products with a causal [cl, cl] matrix L. Through the BLAS, in two row blocks split at
 // h: the upper right block of L (rows < h, columns >= h) is zero, so the products skip it, a quarter
 // of their work (BLAS at 32 rows runs nearly as fast per FLOP as at 64); chunks under 32 rows go

@@ -296,11 +296,11 @@ void backward_chunk(const ChunkedArgs& a, Buffers<T>& w, const Chunk<T>& ch, int
     const int64_t t = t0 + i, row = (b * a.T + t) * a.H + h;
     const T* g = dout + t * a.sdo[1];
     T* dyi = &dy[i * E];
-    // rows kAhead on, or past the chunk's end the first rows of the chunk before (next in reverse)
-    const int64_t ahead = i + kAhead < cl ? kAhead : kAhead - 2 * c;
-    if (t + ahead >= 0) {
-      prefetch_row(g + ahead * a.sdo[1], Dv);
-      if (a.normalize) prefetch_row(static_cast<const T*>(a.o) + (row + ahead * a.H) * Dv, Dv);
+    // the rows this reverse walk reads kAhead rows on
+    const int64_t tn = row_ahead(t0, i, cl, c, true);
+    if (tn >= 0) {
+      prefetch_row(dout + tn * a.sdo[1], Dv);
+      if (a.normalize) prefetch_row(static_cast<const T*>(a.o) + ((b * a.T + tn) * a.H + h) * Dv, Dv);
     }
     if (a.normalize) {
       const T d = static_cast<const T*>(a.den)[row];

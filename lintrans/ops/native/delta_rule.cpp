@@ -187,13 +187,8 @@ void prepare_chunk(const DeltaArgs& a, Work<T>& w, int64_t bi, int64_t h, int64_
   const int64_t Dk = a.Dk, Dv = a.Dv, c = w.c;
   const T scale = T(a.scale);
   for (int64_t i = 0; i < cl; ++i) {
-    // rows of a head lie H * D apart: ask for the row read kAhead rows after this one, which in reverse
-    // past this chunk's end lies r rows into the chunks before it, each walked forward
-    int64_t tn = t0 + i + kAhead;
-    if (reverse && i + kAhead >= cl) {
-      const int64_t r = i + kAhead - cl;
-      tn = t0 - c * (1 + r / c) + r % c;
-    }
+    // rows of a head lie H * D apart: ask for the row read kAhead rows after this one
+    const int64_t tn = row_ahead(t0, i, cl, c, reverse);
     if (tn >= 0 && tn < a.T) {
       prefetch_row(row<T>(a.q, a.sq, bi, tn, h), Dk);
       prefetch_row(row<T>(a.k, a.sk, bi, tn, h), Dk);
